@@ -1,0 +1,101 @@
+"""Who does what across processes: rank, world size, broadcasts, barriers, filesystem-local rank.
+
+The only module that talks to ``torch.distributed``. Every helper works in a single process with
+no process group (rank 0 of 1), so the rest of the library never needs to ask.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_object",
+    "backend_supports_cpu",
+    "barrier",
+    "broadcast_object",
+    "get_fs_local_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "new_cpu_group",
+]
+
+T = TypeVar("T")
+
+SHARED_FS_ENV = ("CKPTKEEPER_SHARED_FS", "OLMO_SHARED_FS")
+
+
+def is_distributed() -> bool:
+    """Whether a default process group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: Any = None) -> int:
+    """Global rank (0 without a process group)."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def get_world_size(group: Any = None) -> int:
+    """Number of processes (1 without a process group)."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def get_local_rank() -> int:
+    """Rank within this node, from torchrun's ``LOCAL_RANK`` (0 when unset)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_fs_local_rank() -> int:
+    """Rank among the processes that share this process's filesystem.
+
+    ``FS_LOCAL_RANK`` wins when set. Otherwise a shared filesystem (``CKPTKEEPER_SHARED_FS=1`` or
+    ``OLMO_SHARED_FS=1``) makes it the global rank (one process in the whole job does the filesystem's
+    bookkeeping), and node-local disks make it the node-local rank.
+    """
+    if "FS_LOCAL_RANK" in os.environ:
+        return int(os.environ["FS_LOCAL_RANK"])
+    if any(os.environ.get(name, "").lower() in ("1", "true", "yes") for name in SHARED_FS_ENV):
+        return get_rank()
+    return get_local_rank()
+
+
+def backend_supports_cpu() -> bool:
+    """Whether collectives can run on CPU tensors (always true without a process group)."""
+    if not is_distributed():
+        return True
+    backend = str(dist.get_backend()).lower()
+    return "gloo" in backend or "cpu" in backend
+
+
+def barrier(group: Any = None) -> None:
+    """Wait for every rank (a no-op in one process)."""
+    if is_distributed():
+        dist.barrier(group=group)
+
+
+def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+    """Rank ``src``'s ``obj`` on every rank (identity in one process)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]  # type: ignore[no-any-return]
+
+
+def all_gather_object(obj: T, group: Any = None) -> list[T]:
+    """Every rank's ``obj``, in rank order (``[obj]`` in one process)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def new_cpu_group(timeout_minutes: float = 30) -> Any:
+    """A new gloo group for checkpoint traffic, so async saves never share a queue with training."""
+    return dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))

@@ -1,0 +1,558 @@
+"""The Checkpointer: writes, verifies, finds, loads and removes checkpoints in a save folder.
+
+Commit protocol. Every save first writes all files into a local folder: ``.tmp-step{N}-<id>``
+inside the save folder on a local disk, or a spool folder for object stores. The commit record
+(``.metadata.json``: step, kind, world size, every file with size and xxh3-64) is written last.
+Then the checkpoint is published at once: a local disk renames the folder into place, an object
+store uploads the data files and creates the commit record last, create-only. A reader that
+checks the record therefore sees a checkpoint complete or not at all. Removal deletes the commit
+record first, so a half-deleted checkpoint is already invalid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from .. import distributed as D
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    DiskFullError,
+    StorageError,
+)
+from ..storage import Storage, storage_for
+from ..storage.layout import (
+    COMMIT_RECORD,
+    MODEL_DIR,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    parse_step,
+    step_dir_name,
+    train_state_name,
+)
+from ..storage.local import translate_os_error
+from .record import CommitRecord, FileEntry, hash_file
+from .safe_metadata import SafeFileSystemReader
+from .staging import Stager
+from .state import TrainingState
+
+__all__ = ["CheckpointInfo", "Checkpointer", "SaveResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one save did and cost."""
+
+    step: int
+    path: str
+    ephemeral: bool
+    bytes: int
+    blocked_s: float
+    """Seconds the caller was blocked (for async saves: the snapshot)."""
+    durable_s: float
+    """Seconds from the call until the checkpoint was committed."""
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second from the call until durable."""
+        return self.bytes / self.durable_s if self.durable_s > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One folder in a save folder, as ``ls`` shows it."""
+
+    step: int
+    path: str
+    complete: bool
+    ephemeral: bool | None
+    bytes: int
+    created_unix: float | None
+    problem: str | None = None
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    # DCP warns on every single-process call; the warning is about its own defaults, not ours.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint.*")
+        warnings.filterwarnings("ignore", message=".*process group.*")
+        yield
+
+
+class Checkpointer:
+    """Saves and loads checkpoints of a :class:`TrainingState` under a save folder (path or URL).
+
+    One save may run in the background at a time (:meth:`save_async`); starting another waits
+    for it. Loads verify every file against the commit record before any tensor is touched.
+    """
+
+    METADATA_FNAME = COMMIT_RECORD
+
+    def __init__(
+        self,
+        *,
+        verify_checksums: bool = True,
+        process_group: Any = None,
+        spool_dir: str | None = None,
+        upload_threads: int = 8,
+    ) -> None:
+        self.verify_checksums = verify_checksums
+        self.process_group = process_group
+        self.spool_dir = spool_dir
+        self.upload_threads = upload_threads
+        self._stager = Stager()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[SaveResult] | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        save_folder: str,
+        step: int,
+        state: TrainingState,
+        *,
+        train_state: Mapping[str, Any] | None = None,
+        ephemeral: bool = False,
+    ) -> SaveResult:
+        """Write the checkpoint of ``step`` and commit it before returning."""
+        t0 = time.perf_counter()
+        self.wait()
+        tensors, meta = state.capture()
+        payload = self._train_payload(step, train_state, meta)
+        result = self._write(save_folder, step, tensors, payload, ephemeral, t0)
+        return SaveResult(result.step, result.path, ephemeral, result.bytes, result.durable_s, result.durable_s)
+
+    def save_async(
+        self,
+        save_folder: str,
+        step: int,
+        state: TrainingState,
+        *,
+        train_state: Mapping[str, Any] | None = None,
+        ephemeral: bool = False,
+    ) -> tuple[str, Future[SaveResult]]:
+        """Snapshot the state now and write it in the background.
+
+        Returns the checkpoint's final path and a future of its :class:`SaveResult`. The state may be
+        changed as soon as this returns. A save still in flight is waited for first (its error, if
+        any, is raised here). A failed background write raises :class:`CheckpointSaveError` from the
+        future, naming the step and file.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        tensors, meta = state.capture()
+        staged = self._stager.stage(tensors)
+        payload = self._train_payload(step, train_state, meta)
+        blocked = time.perf_counter() - t0
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-save")
+
+        def run() -> SaveResult:
+            r = self._write(save_folder, step, staged, payload, ephemeral, t0)
+            return SaveResult(r.step, r.path, ephemeral, r.bytes, blocked, r.durable_s)
+
+        fut = self._executor.submit(run)
+        with self._lock:
+            self._inflight = fut
+        return self._final_path(save_folder, step), fut
+
+    @property
+    def save_in_flight(self) -> bool:
+        """Whether a background save has not finished yet."""
+        with self._lock:
+            return self._inflight is not None and not self._inflight.done()
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the background save, if any; re-raises its error."""
+        with self._lock:
+            fut, self._inflight = self._inflight, None
+        return fut.result() if fut is not None else None
+
+    def close(self) -> None:
+        """Wait for the background save and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    @staticmethod
+    def _train_payload(step: int, train_state: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> bytes:
+        # Serialised at call time, so later changes to the caller's objects cannot leak in.
+        doc = {"step": step, "train_state": dict(train_state or {}), "state_meta": meta}
+        try:
+            return json.dumps(doc).encode()
+        except (TypeError, ValueError) as exc:
+            raise CheckpointSaveError(
+                f"step {step}: trainer state cannot be stored as JSON ({exc}); keep state_dict() values to "
+                "tensors, numbers, strings, lists and dicts"
+            ) from exc
+
+    def _final_path(self, save_folder: str, step: int) -> str:
+        return storage_for(save_folder).join(save_folder, step_dir_name(step))
+
+    def _write(
+        self,
+        save_folder: str,
+        step: int,
+        tensors: Mapping[str, Any],
+        payload: bytes,
+        ephemeral: bool,
+        t0: float,
+    ) -> SaveResult:
+        storage = storage_for(save_folder)
+        final = storage.join(save_folder, step_dir_name(step))
+        rank = D.get_rank(self.process_group)
+        world = D.get_world_size(self.process_group)
+        if storage.supports_rename:
+            work = storage.join(save_folder, f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}")
+            work = D.broadcast_object(work, group=self.process_group)
+        else:
+            work = tempfile.mkdtemp(prefix=f"ckptkeeper-{step_dir_name(step)}-", dir=self.spool_dir)
+        local_work = storage.local_path(work) or work
+        stage = "writing tensors"
+        try:
+            with translate_os_error(local_work):
+                os.makedirs(os.path.join(local_work, MODEL_DIR), exist_ok=True)
+                with _quiet_dcp():
+                    dcp_save(
+                        dict(tensors),
+                        storage_writer=FileSystemWriter(os.path.join(local_work, MODEL_DIR), sync_files=True),
+                        process_group=self.process_group,
+                        no_dist=world == 1,
+                    )
+                stage = "writing trainer state"
+                storage_for(local_work).write_bytes(os.path.join(local_work, train_state_name(rank)), payload)
+            stage = "checksumming"
+            mine = self._hash_own_files(local_work, rank, world)
+            files: dict[str, FileEntry] = {}
+            for part in D.all_gather_object(mine, group=self.process_group):
+                files.update(part)
+            if rank == 0:
+                record = CommitRecord(step=step, ephemeral=ephemeral, world_size=world, files=files)
+                stage = "publishing"
+                self._publish(storage, local_work, final, record)
+            D.barrier(self.process_group)
+        except DiskFullError as exc:
+            self._discard(storage, work, local_work)
+            raise DiskFullError(exc.errno, f"step {step}: {exc.strerror}") from exc
+        except Exception as exc:
+            self._discard(storage, work, local_work)
+            where = getattr(exc, "filename", None) or local_work
+            raise CheckpointSaveError(f"saving step {step} to {final} failed while {stage} ({where}): {exc}") from exc
+        if not storage.supports_rename:
+            shutil.rmtree(local_work, ignore_errors=True)
+        total = sum(e.bytes for e in files.values())
+        elapsed = time.perf_counter() - t0
+        log.info(
+            "saved step %d to %s: %.1f MiB in %.2fs (%.0f MiB/s)",
+            step,
+            final,
+            total / 2**20,
+            elapsed,
+            total / 2**20 / max(elapsed, 1e-9),
+        )
+        return SaveResult(step, final, ephemeral, total, elapsed, elapsed)
+
+    @staticmethod
+    def _hash_own_files(local_work: str, rank: int, world: int) -> dict[str, FileEntry]:
+        # With several ranks each hashes the files it wrote; rank 0 also owns DCP's .metadata.
+        out: dict[str, FileEntry] = {}
+        for dirpath, _, names in os.walk(local_work):
+            for name in names:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, local_work).replace(os.sep, "/")
+                if rel == COMMIT_RECORD:
+                    continue
+                if world > 1 and not _written_by(rel, rank):
+                    continue
+                size, digest = hash_file(full)
+                out[rel] = FileEntry(size, digest)
+        return out
+
+    def _publish(self, storage: Storage, local_work: str, final: str, record: CommitRecord) -> None:
+        if storage.supports_rename:
+            storage.write_bytes(os.path.join(local_work, COMMIT_RECORD), record.to_json())
+            if os.path.exists(storage.local_path(final) or final):
+                # A leftover (incomplete, or an older save of the same step): invalidate, move away, delete.
+                self._delete_now(storage, final)
+            storage.rename_dir(local_work, final)
+            return
+        if storage.list_dir(final):
+            self._delete_now(storage, final)
+        names = sorted(record.files)
+        with ThreadPoolExecutor(max_workers=self.upload_threads) as pool:
+            list(pool.map(lambda rel: storage.upload(os.path.join(local_work, rel), storage.join(final, rel)), names))
+        storage.create_exclusive(storage.join(final, COMMIT_RECORD), record.to_json())
+
+    @staticmethod
+    def _discard(storage: Storage, work: str, local_work: str) -> None:
+        with contextlib.suppress(Exception):
+            shutil.rmtree(local_work, ignore_errors=True)
+
+    # ------------------------------------------------------------------ discovery
+
+    def read_record(self, path: str) -> CommitRecord:
+        """The commit record of the checkpoint at ``path``; CheckpointNotFoundError when there is none."""
+        storage = storage_for(path)
+        try:
+            data = storage.read_bytes(storage.join(path, COMMIT_RECORD))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"no complete checkpoint at {path} (its commit record {COMMIT_RECORD} is missing); "
+                "pass a step folder listed as complete by `ckptkeeper ls`"
+            ) from None
+        return CommitRecord.from_json(data, storage.join(path, COMMIT_RECORD))
+
+    def _problem(self, path: str) -> tuple[CommitRecord | None, str | None]:
+        try:
+            record = self.read_record(path)
+        except CheckpointNotFoundError:
+            return None, "no commit record"
+        except CorruptCheckpointError as exc:
+            return None, str(exc)
+        storage = storage_for(path)
+        sizes = {f.relpath: f.size for f in storage.walk(path)}
+        for rel, entry in record.files.items():
+            if rel not in sizes:
+                return record, f"missing file {rel}"
+            if sizes[rel] != entry.bytes:
+                return record, f"{rel} has {sizes[rel]} bytes, the commit record says {entry.bytes}"
+        return record, None
+
+    def dir_is_checkpoint(self, path: str) -> bool:
+        """Whether ``path`` holds a complete checkpoint (record present, every listed file at its size)."""
+        record, problem = self._problem(path)
+        return record is not None and problem is None
+
+    def list_checkpoints(self, save_folder: str) -> list[CheckpointInfo]:
+        """Every ``step{N}`` folder under ``save_folder``, complete or not, by step."""
+        storage = storage_for(save_folder)
+        out = []
+        for name in storage.list_dir(save_folder):
+            step = parse_step(name)
+            if step is None:
+                continue
+            path = storage.join(save_folder, name)
+            record, problem = self._problem(path)
+            size = sum(f.size for f in storage.walk(path))
+            out.append(
+                CheckpointInfo(
+                    step=step,
+                    path=path,
+                    complete=record is not None and problem is None,
+                    ephemeral=record.ephemeral if record else None,
+                    bytes=size,
+                    created_unix=record.created_unix if record else None,
+                    problem=problem,
+                )
+            )
+        return sorted(out, key=lambda i: i.step)
+
+    def find_checkpoints(self, save_folder: str) -> list[tuple[int, str]]:
+        """(step, path) of every complete checkpoint under ``save_folder``, oldest first."""
+        return [(i.step, i.path) for i in self.list_checkpoints(save_folder) if i.complete]
+
+    def latest_checkpoint(self, save_folder: str) -> str | None:
+        """Path of the newest complete checkpoint, or None."""
+        found = self.find_checkpoints(save_folder)
+        return found[-1][1] if found else None
+
+    def verify(self, path: str, checksums: bool = True) -> CommitRecord:
+        """Check every file of a checkpoint against its commit record; raises CorruptCheckpointError."""
+        record, problem = self._problem(path)
+        if record is None:
+            self.read_record(path)  # raises the precise error
+        if problem is not None:
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is corrupt: {problem}; load an earlier checkpoint (resume does this "
+                "automatically) or restore this one from a copy"
+            )
+        assert record is not None
+        local = storage_for(path).local_path(path)
+        if checksums and local is not None:
+            for rel, entry in record.files.items():
+                _, digest = hash_file(os.path.join(local, rel))
+                if digest != entry.xxh3_64:
+                    raise CorruptCheckpointError(
+                        f"checkpoint {path} is corrupt: {rel} has checksum {digest}, the commit record says "
+                        f"{entry.xxh3_64}; load an earlier checkpoint or restore this one from a copy"
+                    )
+        return record
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, path: str, state: TrainingState) -> dict[str, Any]:
+        """Load the checkpoint at ``path`` into ``state``; returns this rank's trainer state.
+
+        Every file is checked against the commit record first (sizes always, checksums unless
+        ``verify_checksums=False``), so a corrupt checkpoint raises before the model is touched.
+        """
+        storage = storage_for(path)
+        rank = D.get_rank(self.process_group)
+        local = storage.local_path(path)
+        spool: str | None = None
+        try:
+            if local is None:
+                spool = tempfile.mkdtemp(prefix="ckptkeeper-load-", dir=self.spool_dir)
+                record = self._download(storage, path, spool)
+                local = spool
+            else:
+                record = self.verify(path, checksums=self.verify_checksums)
+            payload = self._read_train_state(local, rank, record)
+            tensors, _ = state.capture()
+            try:
+                with _quiet_dcp():
+                    dcp_load(
+                        tensors,
+                        storage_reader=SafeFileSystemReader(os.path.join(local, MODEL_DIR)),
+                        process_group=self.process_group,
+                        no_dist=D.get_world_size(self.process_group) == 1,
+                    )
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(
+                    f"checkpoint {path} does not fit this model/optimizer ({_first_line(exc)}); load it into the "
+                    "model it was saved from, or start a fresh save folder"
+                ) from exc
+            state.restore(tensors, payload.get("state_meta", {}))
+        finally:
+            if spool is not None:
+                shutil.rmtree(spool, ignore_errors=True)
+        train_state: dict[str, Any] = payload.get("train_state", {})
+        return train_state
+
+    def _read_train_state(self, local: str, rank: int, record: CommitRecord) -> dict[str, Any]:
+        name = train_state_name(rank)
+        if name not in record.files:
+            # Loading at a larger world size: ranks without their own state take rank 0's.
+            log.warning(
+                "checkpoint has no trainer state for rank %d (saved with %d ranks); using rank 0's",
+                rank,
+                record.world_size,
+            )
+            name = train_state_name(0)
+        with open(os.path.join(local, name), "rb") as f:
+            doc: dict[str, Any] = json.loads(f.read())
+        return doc
+
+    def _download(self, storage: Storage, path: str, spool: str) -> CommitRecord:
+        record = self.read_record(path)
+        names = sorted(record.files)
+
+        def fetch(rel: str) -> None:
+            dst = os.path.join(spool, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            try:
+                storage.download(storage.join(path, rel), dst)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"checkpoint {path} is corrupt: missing file {rel}") from None
+            size, digest = hash_file(dst)
+            entry = record.files[rel]
+            if size != entry.bytes or (self.verify_checksums and digest != entry.xxh3_64):
+                raise CorruptCheckpointError(
+                    f"checkpoint {path} is corrupt: {rel} does not match its commit record "
+                    f"({size} bytes, {digest}; expected {entry.bytes}, {entry.xxh3_64})"
+                )
+
+        with ThreadPoolExecutor(max_workers=self.upload_threads) as pool:
+            list(pool.map(fetch, names))
+        return record
+
+    # ------------------------------------------------------------------ removal
+
+    def remove(self, path: str, run_in_background: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        """Remove a checkpoint: the commit record goes first (invalid at once), the files after.
+
+        The slow part (deleting files) is handed to ``run_in_background`` when given.
+        """
+        storage = storage_for(path)
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        parent = path.rstrip("/")[: -len(name) - 1]
+        if parse_step(name) is None or not parent or parent.endswith(":/") or parent.endswith(":"):
+            raise ConfigurationError(f"refusing to remove {path!r}: only step folders inside a save folder are removed")
+        storage.remove_file(storage.join(path, COMMIT_RECORD))
+        if storage.supports_rename:
+            trash = storage.join(parent, f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+            try:
+                storage.rename_dir(path, trash)
+            except FileNotFoundError:
+                return
+            target = trash
+        else:
+            target = path
+
+        def delete() -> None:
+            n = storage.remove_tree(target)
+            log.info("removed checkpoint %s (%d files)", path, n)
+
+        if run_in_background is None:
+            delete()
+        else:
+            run_in_background(delete)
+
+    def _delete_now(self, storage: Storage, path: str) -> None:
+        self.remove(path)
+
+    def clean_scratch(self, save_folder: str) -> list[str]:
+        """Delete leftovers of interrupted saves and removals (``.tmp-*``, ``.trash-*``); returns them."""
+        storage = storage_for(save_folder)
+        gone = []
+        for name in storage.list_dir(save_folder):
+            if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+                full = storage.join(save_folder, name)
+                local = storage.local_path(full)
+                if local is not None:
+                    shutil.rmtree(local, ignore_errors=True)
+                else:
+                    storage.remove_tree(full)
+                gone.append(full)
+        try:
+            storage.cleanup_orphans(save_folder)
+        except StorageError:
+            raise
+        return gone
+
+
+def _written_by(rel: str, rank: int) -> bool:
+    if rel == train_state_name(rank):
+        return True
+    if rel.startswith(MODEL_DIR + "/"):
+        base = rel[len(MODEL_DIR) + 1 :]
+        if base == ".metadata":
+            return rank == 0
+        # DCP names each rank's data file __{rank}_{n}.distcp.
+        return base.startswith(f"__{rank}_")
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,61 @@
+"""The exception tree of ckptkeeper.
+
+Every error the library raises on purpose derives from :class:`CkptkeeperError`, so callers can
+catch at whatever level they care about: all of ckptkeeper, every checkpoint problem, or one
+precise failure. Messages name the problem *and* the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CkptkeeperError",
+    "ConfigurationError",
+    "CorruptCheckpointError",
+    "DiskFullError",
+    "StorageAccessError",
+    "StorageError",
+    "UnsafeCheckpointError",
+]
+
+
+class CkptkeeperError(Exception):
+    """Base class of every error ckptkeeper raises on purpose."""
+
+
+class ConfigurationError(CkptkeeperError, ValueError):
+    """An invalid setting; the message names the field and the rule it broke."""
+
+
+class CheckpointError(CkptkeeperError):
+    """A problem with one checkpoint (finding, reading, verifying or writing it)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint where one was asked for."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose files do not match its commit record (missing, wrong size, wrong checksum)."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint file that would execute code when loaded; it is refused, never executed."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed; the message names the step and, where known, the file."""
+
+
+class StorageError(CkptkeeperError):
+    """A storage backend could not do what was asked."""
+
+
+class StorageAccessError(StorageError):
+    """The save folder cannot be reached: missing bucket, rejected credentials, no permission."""
+
+
+class DiskFullError(StorageError, OSError):
+    """The target ran out of space; nothing already saved was touched."""

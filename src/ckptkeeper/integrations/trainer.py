@@ -1,0 +1,439 @@
+"""A small training loop with callback hooks, built so that a resumed run continues bit-exactly.
+
+The step counter follows the specification: it is incremented *before* ``post_train_batch``,
+so the checkpoint of step N holds the state after update N. Everything a resumed run needs to
+continue exactly (global step, RNG streams of python/numpy/torch, the data position, callback
+and user state) goes into the checkpoint as JSON or as tensors, never as a pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .. import distributed as D
+from ..engine import Checkpointer, SaveResult, Stateful, TrainingState
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
+from ..storage import storage_for
+
+__all__ = ["Callback", "TrainStep", "Trainer"]
+
+log = logging.getLogger(__name__)
+
+TrainStep = Callable[["Trainer", Any], "float | torch.Tensor"]
+"""A user train step: takes the trainer and one batch, does one update, returns the loss."""
+
+
+class Callback:
+    """Base class of trainer callbacks; override the hooks you need. Higher ``priority`` runs first."""
+
+    priority: ClassVar[int] = 0
+    trainer: Trainer
+
+    @property
+    def step(self) -> int:
+        """The trainer's global step (number of updates done)."""
+        return self.trainer.global_step
+
+    def pre_train(self) -> None:
+        """Before the first step (after any checkpoint was loaded)."""
+
+    def post_train_batch(self) -> None:
+        """After each step; ``self.step`` already counts it."""
+
+    def post_train(self) -> None:
+        """After the last step of a run that finished normally."""
+
+    def on_error(self, exc: BaseException) -> None:
+        """When training raised; the exception is re-raised afterwards."""
+
+    def close(self) -> None:
+        """Always, last, whether training finished or failed."""
+
+    def post_checkpoint_saved(self, path: str, result: SaveResult) -> None:
+        """After a checkpoint is durable (for async saves: once the background write finished)."""
+
+    def post_checkpoint_loaded(self, path: str) -> None:
+        """After a checkpoint was loaded at start-up."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """JSON-able state to keep in checkpoints (None: nothing)."""
+        return None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+def _default_step(trainer: Trainer, batch: Any) -> torch.Tensor:
+    if trainer.optimizer is None or trainer.loss_fn is None:
+        raise ConfigurationError("the default train step needs 'optimizer' and 'loss_fn'; pass them or a train_step")
+    inputs, targets = batch
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss = trainer.loss_fn(trainer.model(inputs), targets)
+    loss.backward()  # type: ignore[no-untyped-call]
+    trainer.optimizer.step()
+    return loss.detach()
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": _py_rng_to_json(random.getstate()),
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+        state["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    except ImportError:  # numpy is optional for the library
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _py_rng_to_json(state: Any) -> list[Any]:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(
+            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        )
+
+
+class Trainer:
+    """Runs ``max_steps`` updates of ``model`` over ``data_loader``, calling callbacks around each.
+
+    On :meth:`fit` it resumes from the newest complete checkpoint in ``save_folder`` (falling back
+    to older ones when the newest is corrupt), or else from ``load_path`` when given. Without a
+    :class:`~ckptkeeper.CheckpointerCallback` in ``callbacks`` one with default settings is added,
+    as in the specification.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        data_loader: Iterable[Any],
+        save_folder: str,
+        max_steps: int,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        train_step: TrainStep | None = None,
+        callbacks: Sequence[Callback] = (),
+        load_path: str | None = None,
+        checkpointer: Checkpointer | None = None,
+        extra_state: Mapping[str, Stateful] | None = None,
+        add_default_checkpointer: bool = True,
+    ) -> None:
+        if max_steps < 0:
+            raise ConfigurationError(f"'max_steps' must be at least 0, got {max_steps}")
+        if not save_folder:
+            raise ConfigurationError("'save_folder' must be a path or URL")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.data_loader = data_loader
+        self.save_folder = save_folder
+        self.max_steps = max_steps
+        self.load_path = load_path
+        self.train_step: TrainStep = train_step or _default_step
+        self.checkpointer = checkpointer or Checkpointer()
+        self.state = TrainingState(model, optimizer, extra_state)
+        self.global_step = 0
+        self.checkpoint_loaded = False
+        self.loaded_from: str | None = None
+        self.block_ephemeral_checkpoints = False
+        self.losses: dict[int, float] = {}
+        self.start_step = 0
+
+        from .checkpointer_callback import CheckpointerCallback
+
+        cbs = list(callbacks)
+        if add_default_checkpointer and not any(isinstance(c, CheckpointerCallback) for c in cbs):
+            cbs.append(CheckpointerCallback())
+        # Stable sort: equal priorities keep the order they were given in.
+        self.callbacks: list[Callback] = sorted(cbs, key=lambda c: -c.priority)
+        for cb in self.callbacks:
+            cb.trainer = self
+        self._bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-bookkeeping")
+        self._bookkeeping_futures: list[Future[Any]] = []
+        self._pending_saves: list[tuple[str, Future[SaveResult]]] = []
+        self._iterator: Iterator[Any] | None = None
+        self._epoch = 0
+        self._batch_in_epoch = 0
+        self._epoch_rng: dict[str, Any] | None = None
+        self._resume_data: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ API used by callbacks
+
+    def save_checkpoint(self, ephemeral: bool = False) -> str:
+        """Save the current state synchronously; returns the checkpoint's path."""
+        result = self.checkpointer.save(
+            self.save_folder, self.global_step, self.state, train_state=self._train_state(), ephemeral=ephemeral
+        )
+        self._notify_saved(result.path, result)
+        return result.path
+
+    def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[SaveResult]]:
+        """Snapshot the state now and save it in the background; returns (path, future)."""
+        path, fut = self.checkpointer.save_async(
+            self.save_folder, self.global_step, self.state, train_state=self._train_state(), ephemeral=ephemeral
+        )
+        self._pending_saves.append((path, fut))
+        return path, fut
+
+    def run_bookkeeping_op(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        op_name: str | None = None,
+        distributed: bool = False,
+        soft_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Run ``fn`` off the training thread (deletions and other slow housekeeping).
+
+        A failure is logged, never raised into training: housekeeping must not kill a run.
+        ``distributed=True`` ops run inline because every rank must take part in them.
+        """
+        name = op_name or getattr(fn, "__name__", "bookkeeping op")
+
+        def run() -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                log.exception("bookkeeping op %r failed; training continues", name)
+                return None
+            finally:
+                took = time.perf_counter() - t0
+                if soft_timeout is not None and took > soft_timeout:
+                    log.warning("bookkeeping op %r took %.0fs (soft timeout %.0fs)", name, took, soft_timeout)
+
+        if distributed:
+            run()
+            return
+        self._bookkeeping_futures = [f for f in self._bookkeeping_futures if not f.done()]
+        self._bookkeeping_futures.append(self._bookkeeping.submit(run))
+
+    def wait_for_bookkeeping(self) -> None:
+        """Block until every background bookkeeping op has finished."""
+        for fut in self._bookkeeping_futures:
+            fut.result()
+        self._bookkeeping_futures.clear()
+
+    # ------------------------------------------------------------------ state
+
+    def _train_state(self) -> dict[str, Any]:
+        data_state: dict[str, Any] = {
+            "epoch": self._epoch,
+            "batch_in_epoch": self._batch_in_epoch,
+            "epoch_rng": self._epoch_rng,
+        }
+        if isinstance(self.data_loader, Stateful):
+            data_state["loader"] = self.data_loader.state_dict()
+        callbacks = {}
+        for cb in self.callbacks:
+            sd = cb.state_dict()
+            if sd is not None:
+                callbacks[type(cb).__name__] = sd
+        return {
+            "global_step": self.global_step,
+            "rng": _rng_state(),
+            "data": data_state,
+            "callbacks": callbacks,
+            "world_size": D.get_world_size(),
+        }
+
+    def _apply_train_state(self, ts: Mapping[str, Any]) -> None:
+        self.global_step = int(ts["global_step"])
+        data = ts.get("data", {})
+        self._epoch = int(data.get("epoch", 0))
+        self._batch_in_epoch = int(data.get("batch_in_epoch", 0))
+        self._epoch_rng = data.get("epoch_rng")
+        if isinstance(self.data_loader, Stateful) and "loader" in data:
+            self.data_loader.load_state_dict(data["loader"])
+        else:
+            self._resume_data = {"rng": ts["rng"]}
+        by_name = ts.get("callbacks", {})
+        for cb in self.callbacks:
+            if type(cb).__name__ in by_name:
+                cb.load_state_dict(by_name[type(cb).__name__])
+        _set_rng_state(ts["rng"])
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load the checkpoint at ``path`` (model, optimizer, extras and trainer state)."""
+        ts = self.checkpointer.load(path, self.state)
+        self._apply_train_state(ts)
+        self.checkpoint_loaded = True
+        self.loaded_from = path
+        for cb in self.callbacks:
+            cb.post_checkpoint_loaded(path)
+
+    def maybe_load_checkpoint(self) -> bool:
+        """Resume from the newest good checkpoint in the save folder, else from ``load_path``.
+
+        A checkpoint that fails verification is skipped with a warning and the next older one is
+        tried; a corrupt ``load_path`` (explicitly asked for) raises.
+        """
+        candidates: list[str] = []
+        if D.get_rank() == 0:
+            candidates = [p for _, p in reversed(self.checkpointer.find_checkpoints(self.save_folder))]
+        candidates = D.broadcast_object(candidates)
+        for path in candidates:
+            try:
+                self.load_checkpoint(path)
+                return True
+            except CorruptCheckpointError as exc:
+                log.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
+        if candidates:
+            log.warning(
+                "no checkpoint in %s could be loaded; starting from %s", self.save_folder, self.load_path or "scratch"
+            )
+        if self.load_path is not None:
+            path = self.load_path
+            if not self.checkpointer.dir_is_checkpoint(path):
+                latest = self.checkpointer.latest_checkpoint(path)
+                if latest is None:
+                    raise CheckpointNotFoundError(
+                        f"load_path {path} holds no complete checkpoint; pass a step folder or a save folder "
+                        "that `ckptkeeper ls` shows as complete"
+                    )
+                path = latest
+            self.load_checkpoint(path)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ data
+
+    def _next_batch(self) -> Any:
+        if self._iterator is None:
+            self._iterator = self._open_iterator()
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._epoch += 1
+            self._batch_in_epoch = 0
+            self._epoch_rng = _rng_state()
+            self._iterator = iter(self.data_loader)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                raise ConfigurationError("the data loader yields no batches") from None
+        self._batch_in_epoch += 1
+        return batch
+
+    def _open_iterator(self) -> Iterator[Any]:
+        resume = self._resume_data
+        self._resume_data = None
+        if resume is None or (self._batch_in_epoch == 0 and self._epoch_rng is None):
+            if self._epoch_rng is None:
+                self._epoch_rng = _rng_state()
+            return iter(self.data_loader)
+        # Replay the epoch from the RNG state it began with, skip what was consumed, then
+        # put back the checkpoint's RNG state: the rest of the epoch matches the original run.
+        if self._epoch_rng is not None:
+            _set_rng_state(self._epoch_rng)
+        it = iter(self.data_loader)
+        for _ in range(self._batch_in_epoch):
+            try:
+                next(it)
+            except StopIteration:
+                break
+        _set_rng_state(resume["rng"])
+        return it
+
+    # ------------------------------------------------------------------ the loop
+
+    def _notify_saved(self, path: str, result: SaveResult) -> None:
+        for cb in self.callbacks:
+            cb.post_checkpoint_saved(path, result)
+
+    def _dispatch_finished_saves(self, wait: bool = False) -> None:
+        still = []
+        for path, fut in self._pending_saves:
+            if wait or fut.done():
+                try:
+                    result = fut.result()
+                except Exception:
+                    continue  # the checkpointer callback raises it where the specification does
+                self._notify_saved(path, result)
+            else:
+                still.append((path, fut))
+        self._pending_saves = still
+
+    def fit(self) -> None:
+        """Resume if possible, then train until ``max_steps``, calling every hook."""
+        if D.get_rank() == 0:
+            storage_for(self.save_folder).check_access(self.save_folder)
+            self.checkpointer.clean_scratch(self.save_folder)
+        D.barrier()
+        self.maybe_load_checkpoint()
+        self.start_step = self.global_step
+        if self.checkpoint_loaded and self.global_step >= self.max_steps:
+            log.info(
+                "checkpoint %s is at step %d, at or past max_steps=%d: nothing to train",
+                self.loaded_from,
+                self.global_step,
+                self.max_steps,
+            )
+            self.close()
+            return
+        try:
+            for cb in self.callbacks:
+                cb.pre_train()
+            while self.global_step < self.max_steps:
+                batch = self._next_batch()
+                loss = self.train_step(self, batch)
+                self.global_step += 1
+                self.losses[self.global_step] = float(loss)
+                for cb in self.callbacks:
+                    cb.post_train_batch()
+                self._dispatch_finished_saves()
+            for cb in self.callbacks:
+                cb.post_train()
+            self._dispatch_finished_saves(wait=True)
+        except BaseException as exc:
+            for cb in self.callbacks:
+                try:
+                    cb.on_error(exc)
+                except Exception:
+                    log.exception("callback %s failed in on_error", type(cb).__name__)
+            raise
+        finally:
+            try:
+                for cb in self.callbacks:
+                    cb.close()
+            finally:
+                self.close()
+
+    def close(self) -> None:
+        """Finish background work: bookkeeping ops, then the checkpointer's writer."""
+        try:
+            self.wait_for_bookkeeping()
+        finally:
+            self._bookkeeping.shutdown(wait=True)
+            try:
+                self.checkpointer.close()
+            except CheckpointError as exc:
+                log.error("a background save failed and nothing raised it earlier: %s", exc)

@@ -1,0 +1,24 @@
+"""Pure checkpoint policy: configuration and decisions, with no I/O, clock or torch."""
+
+from .config import CheckpointPolicyConfig, RemovalStrategy
+from .schedule import (
+    RetentionBook,
+    SaveKind,
+    decide_save,
+    is_permanent_step,
+    needs_final_save,
+    removable_from_earlier_runs,
+    wants_pre_train_save,
+)
+
+__all__ = [
+    "CheckpointPolicyConfig",
+    "RemovalStrategy",
+    "RetentionBook",
+    "SaveKind",
+    "decide_save",
+    "is_permanent_step",
+    "needs_final_save",
+    "removable_from_earlier_runs",
+    "wants_pre_train_save",
+]

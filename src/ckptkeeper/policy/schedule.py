@@ -1,0 +1,130 @@
+"""Pure checkpoint decisions: what to save at a step, and what becomes eligible for removal.
+
+Nothing here touches files, clocks or torch: given the configuration, the step and the
+checkpoints known so far, each function answers, and the callback carries the answer out.
+That keeps the specification's rules testable with plain tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+from .config import CheckpointPolicyConfig, RemovalStrategy
+
+__all__ = [
+    "RetentionBook",
+    "SaveKind",
+    "decide_save",
+    "is_permanent_step",
+    "needs_final_save",
+    "removable_from_earlier_runs",
+    "wants_pre_train_save",
+]
+
+T = TypeVar("T")
+
+
+class SaveKind(StrEnum):
+    """The two kinds of checkpoint: permanent ones stay, ephemeral ones are superseded."""
+
+    permanent = "permanent"
+    ephemeral = "ephemeral"
+
+
+def is_permanent_step(cfg: CheckpointPolicyConfig, step: int) -> bool:
+    """Whether ``step`` is one the current settings keep for good (a fixed step or an interval step)."""
+    if cfg.fixed_steps is not None and step in cfg.fixed_steps:
+        return True
+    return cfg.save_interval is not None and step % cfg.save_interval == 0
+
+
+def decide_save(
+    cfg: CheckpointPolicyConfig,
+    step: int,
+    latest_checkpoint_step: int,
+    ephemeral_blocked: bool = False,
+) -> SaveKind | None:
+    """What to save once ``step`` is done.
+
+    ``latest_checkpoint_step`` is the step of this run's newest save (-1 before any), which the
+    ephemeral cooldown counts from; ``ephemeral_blocked`` is the trainer asking to skip ephemerals.
+    """
+    if is_permanent_step(cfg, step):
+        return SaveKind.permanent
+    if cfg.ephemeral_save_interval is None or step % cfg.ephemeral_save_interval != 0 or ephemeral_blocked:
+        return None
+    if cfg.ephemeral_cooldown is not None and step - latest_checkpoint_step < cfg.ephemeral_cooldown:
+        return None
+    return SaveKind.ephemeral
+
+
+def wants_pre_train_save(cfg: CheckpointPolicyConfig, step: int, checkpoint_loaded: bool) -> bool:
+    """Whether to save before the first step: only at step 0, by default only for a fresh start."""
+    if step != 0:
+        return False
+    if cfg.pre_train_checkpoint is None:
+        return not checkpoint_loaded
+    return cfg.pre_train_checkpoint
+
+
+def needs_final_save(step: int, latest_checkpoint_step: int) -> bool:
+    """Whether training ended on a step this run has not saved yet."""
+    return step > latest_checkpoint_step
+
+
+def removable_from_earlier_runs(
+    cfg: CheckpointPolicyConfig, found: Iterable[tuple[int, T]], current_step: int
+) -> list[T]:
+    """Checkpoints left by earlier runs that this run will remove, oldest first.
+
+    Never step 0, never a step beyond the current one (it may belong to a run being resumed later),
+    never a permanent step under the *current* settings; beyond that the removal strategy decides.
+    """
+    chosen: list[tuple[int, T]] = []
+    if cfg.remove == RemovalStrategy.never:
+        return []
+    for step, item in found:
+        if step == 0 or step > current_step or is_permanent_step(cfg, step):
+            continue
+        if cfg.remove == RemovalStrategy.all_non_permanent or (
+            cfg.ephemeral_save_interval is not None and step % cfg.ephemeral_save_interval == 0
+        ):
+            chosen.append((step, item))
+    chosen.sort(key=lambda pair: pair[0])
+    return [item for _, item in chosen]
+
+
+@dataclass
+class RetentionBook(Generic[T]):
+    """The run's retention bookkeeping: superseded ephemerals wait here until removal is safe.
+
+    Only an ephemeral save supersedes: the newest ephemeral checkpoint (or one found from an earlier
+    run) stays until the next ephemeral save, which moves every older one to the removal queue.
+    """
+
+    ephemerals: list[T] = field(default_factory=list)
+    to_remove: list[T] = field(default_factory=list)
+    permanents: list[T] = field(default_factory=list)
+
+    def adopt_found(self, items: Iterable[T]) -> None:
+        """Treat checkpoints from earlier runs as the oldest ephemerals (removed at the next ephemeral save)."""
+        self.ephemerals = list(items) + self.ephemerals
+
+    def record_save(self, item: T, kind: SaveKind) -> list[T]:
+        """Note a save; returns what it superseded (now queued for removal)."""
+        if kind == SaveKind.permanent:
+            self.permanents.append(item)
+            return []
+        self.ephemerals.append(item)
+        superseded = self.ephemerals[:-1]
+        self.ephemerals = self.ephemerals[-1:]
+        self.to_remove.extend(superseded)
+        return superseded
+
+    def take_due(self) -> list[T]:
+        """Hand over (and forget) everything queued for removal."""
+        due, self.to_remove = self.to_remove, []
+        return due

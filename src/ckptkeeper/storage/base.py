@@ -1,0 +1,99 @@
+"""The storage interface: the few primitives every backend implements.
+
+A checkpoint is committed one of two ways, chosen by the backend's ``supports_rename``:
+local disks write into a temporary folder and rename it into place; object stores (which
+cannot rename a prefix atomically) upload the data objects first and create the commit
+record last, create-only. Everything above this layer speaks only these primitives.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["FileInfo", "Storage"]
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One file under a prefix: its path relative to that prefix, and its size in bytes."""
+
+    relpath: str
+    size: int
+
+
+class Storage(ABC):
+    """Where checkpoint bytes live. Paths are full paths or URLs of this backend's scheme."""
+
+    supports_rename: bool = False
+    """True where a whole folder can be renamed atomically (local disk)."""
+
+    is_remote: bool = False
+    """True for URL backends (object stores); the specification's rank-0 rules differ for them."""
+
+    def join(self, base: str, *parts: str) -> str:
+        """Join path parts with '/' (every backend here uses '/')."""
+        out = base.rstrip("/")
+        for p in parts:
+            out = f"{out}/{p.strip('/')}"
+        return out
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a file exists at ``path``."""
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Names of the direct children (files and folders) of ``path``; [] when it does not exist."""
+
+    @abstractmethod
+    def walk(self, prefix: str) -> Iterator[FileInfo]:
+        """Every file below ``prefix`` (recursively), with sizes; nothing when it does not exist."""
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Size of the file at ``path``; FileNotFoundError when missing."""
+
+    @abstractmethod
+    def read_bytes(self, path: str) -> bytes:
+        """The whole content of a (small) file; FileNotFoundError when missing."""
+
+    @abstractmethod
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a file so that readers see the old content or the new, never a part."""
+
+    @abstractmethod
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Create a file that must not exist yet (FileExistsError otherwise), atomically."""
+
+    @abstractmethod
+    def upload(self, local_path: str, path: str) -> None:
+        """Copy a local file to ``path`` (all or nothing)."""
+
+    @abstractmethod
+    def download(self, path: str, local_path: str) -> None:
+        """Copy the file at ``path`` to a local file."""
+
+    @abstractmethod
+    def remove_file(self, path: str) -> None:
+        """Delete one file; a missing file is not an error."""
+
+    @abstractmethod
+    def remove_tree(self, prefix: str) -> int:
+        """Delete everything below ``prefix``; returns how many files went."""
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Atomically rename a folder (only where ``supports_rename``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rename folders")
+
+    def local_path(self, path: str) -> str | None:
+        """The filesystem path of ``path`` when this backend is a local disk, else None."""
+        return None
+
+    def cleanup_orphans(self, prefix: str) -> int:
+        """Abort unfinished uploads below ``prefix`` (object stores); returns how many."""
+        return 0
+
+    def check_access(self, path: str) -> None:  # noqa: B027 (a no-op is the right default)
+        """Raise StorageAccessError when ``path`` cannot be used (missing bucket, bad credentials)."""

@@ -1,0 +1,165 @@
+"""Local (or network-mounted) filesystem backend.
+
+Atomic writes are written by hand: fsspec's local ``autocommit=False`` stages in the system temp
+folder and moves without fsync, which is neither atomic across filesystems nor durable. Here a
+file goes to a temporary name in the same folder, is fsynced, renamed over the target, and the
+folder is fsynced, so after a crash a reader sees the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+
+from ..errors import DiskFullError, StorageAccessError
+from .base import FileInfo, Storage
+
+__all__ = ["LocalStorage", "fsync_dir", "translate_os_error"]
+
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def fsync_dir(path: str) -> None:
+    """Make a folder's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def translate_os_error(path: str) -> Iterator[None]:
+    """Turn a full disk into DiskFullError and a permission problem into StorageAccessError."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise DiskFullError(
+                exc.errno,
+                f"the disk is full while writing {exc.filename or path}; free space or choose another "
+                "save folder (checkpoints already saved were not touched)",
+            ) from exc
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise StorageAccessError(
+                f"no permission to write {exc.filename or path} ({exc.strerror}); fix the folder's "
+                "permissions or choose another save folder"
+            ) from exc
+        raise
+
+
+def _strip(path: str) -> str:
+    return path.removeprefix("file://")
+
+
+class LocalStorage(Storage):
+    """Plain files; folders are renamed atomically, so checkpoints commit by rename."""
+
+    supports_rename = True
+
+    def join(self, base: str, *parts: str) -> str:
+        return os.path.join(_strip(base), *(p.strip("/") for p in parts))
+
+    def local_path(self, path: str) -> str:
+        return _strip(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.isfile(_strip(path))
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(_strip(path)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def walk(self, prefix: str) -> Iterator[FileInfo]:
+        root = _strip(prefix)
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                full = os.path.join(dirpath, name)
+                yield FileInfo(os.path.relpath(full, root).replace(os.sep, "/"), os.path.getsize(full))
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(_strip(path))
+
+    def read_bytes(self, path: str) -> bytes:
+        with open(_strip(path), "rb") as f:
+            return f.read()
+
+    def _write_temp(self, path: str, data: bytes) -> str:
+        target = _strip(path)
+        folder = os.path.dirname(target) or "."
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{os.path.basename(target)}.{uuid.uuid4().hex[:8]}.part")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return tmp
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        with translate_os_error(path):
+            tmp = self._write_temp(path, data)
+            os.replace(tmp, _strip(path))
+            fsync_dir(os.path.dirname(_strip(path)) or ".")
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        with translate_os_error(path):
+            tmp = self._write_temp(path, data)
+            try:
+                # link() fails when the target exists: an atomic create-only publish.
+                os.link(tmp, _strip(path))
+            finally:
+                os.unlink(tmp)
+            fsync_dir(os.path.dirname(_strip(path)) or ".")
+
+    def upload(self, local_path: str, path: str) -> None:
+        with translate_os_error(path):
+            target = _strip(path)
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            tmp = f"{target}.{uuid.uuid4().hex[:8]}.part"
+            shutil.copyfile(local_path, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+
+    def download(self, path: str, local_path: str) -> None:
+        shutil.copyfile(_strip(path), local_path)
+
+    def remove_file(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_strip(path))
+            fsync_dir(os.path.dirname(_strip(path)) or ".")
+
+    def remove_tree(self, prefix: str) -> int:
+        root = _strip(prefix)
+        n = sum(len(files) for _, _, files in os.walk(root))
+        shutil.rmtree(root, ignore_errors=True)
+        return n
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        with translate_os_error(dst):
+            os.rename(_strip(src), _strip(dst))
+            fsync_dir(os.path.dirname(_strip(dst)) or ".")
+
+    def check_access(self, path: str) -> None:
+        root = _strip(path)
+        probe = root
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if probe and not os.access(probe, os.W_OK):
+            raise StorageAccessError(
+                f"cannot write to save folder {root}: {probe} is not writable; fix its permissions"
+            )
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise StorageAccessError(f"save folder {root} exists but is a file; choose a folder path")

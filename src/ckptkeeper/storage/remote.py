@@ -1,0 +1,1 @@
+"""Object-store backends (s3://, gs://); filled in by the object-storage work."""

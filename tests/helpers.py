@@ -1,0 +1,97 @@
+"""Small training set-ups shared by the tests: fast, deterministic, and with real state to resume."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckptkeeper import Callback, Checkpointer, CheckpointerCallback, Trainer
+from ckptkeeper.integrations import build_builtin
+
+
+class SimulatedCrash(BaseException):
+    """Raised by CrashAt to stop a run hard right after a step (no post_train)."""
+
+
+class CrashAt(Callback):
+    """Stops the run right after ``step`` (after the checkpointer's post_train_batch)."""
+
+    priority = -1000
+
+    def __init__(self, step: int) -> None:
+        self.crash_step = step
+
+    def post_train_batch(self) -> None:
+        if self.step == self.crash_step:
+            raise SimulatedCrash(self.step)
+
+
+def tiny_trainer(
+    folder: str,
+    cb: CheckpointerCallback | None,
+    steps: int,
+    crash_at: int | None = None,
+    seed: int = 0,
+    checkpointer: Checkpointer | None = None,
+    extra_callbacks: Sequence[Callback] = (),
+) -> Trainer:
+    """A one-layer model on a fixed list of batches: saves take milliseconds."""
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(7)]
+    callbacks: list[Callback] = [cb] if cb is not None else []
+    if crash_at is not None:
+        callbacks.append(CrashAt(crash_at))
+    callbacks.extend(extra_callbacks)
+    return Trainer(
+        model=model,
+        optimizer=opt,
+        loss_fn=nn.MSELoss(),
+        data_loader=batches,
+        save_folder=folder,
+        max_steps=steps,
+        callbacks=callbacks,
+        checkpointer=checkpointer or Checkpointer(),
+    )
+
+
+def builtin_trainer(folder: str, steps: int, cb: CheckpointerCallback, crash_at: int | None = None) -> Trainer:
+    """The CLI's built-in model (dropout, shuffling loader, AdamW) in-process."""
+    setup = build_builtin(seed=0, hidden=32)
+    callbacks: list[Callback] = [cb]
+    if crash_at is not None:
+        callbacks.append(CrashAt(crash_at))
+    return Trainer(
+        model=setup.model,
+        optimizer=setup.optimizer,
+        loss_fn=setup.loss_fn,
+        data_loader=setup.data_loader,
+        save_folder=folder,
+        max_steps=steps,
+        callbacks=callbacks,
+    )
+
+
+def run_to_end(trainer: Trainer) -> bool:
+    """Fit; True when the run finished, False when it was stopped by CrashAt."""
+    try:
+        trainer.fit()
+    except SimulatedCrash:
+        return False
+    return True
+
+
+def events_of(cb: CheckpointerCallback) -> list[dict[str, Any]]:
+    """The callback's history in the scenario file's shape."""
+    out: list[dict[str, Any]] = []
+    for e in cb.history:
+        if e.event == "save":
+            out.append({"event": "save", "step": e.step, "kind": e.kind})
+        else:
+            out.append({"event": "remove", "step": e.step, "at_step": e.at_step})
+    return out
