@@ -12,6 +12,7 @@ record first, so a half-deleted checkpoint is already invalid.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -52,9 +54,9 @@ from ..storage.layout import (
 )
 from ..storage.local import translate_os_error
 from .record import CommitRecord, FileEntry, hash_file
-from .safe_metadata import SafeFileSystemReader
+from .safe_metadata import SafeFileSystemReader, safe_load_metadata
 from .staging import Stager
-from .state import TrainingState
+from .state import TrainingState, flatten_tensors
 
 __all__ = ["CheckpointInfo", "Checkpointer", "SaveResult"]
 
@@ -259,11 +261,18 @@ class Checkpointer:
                 stage = "publishing"
                 self._publish(storage, local_work, final, record)
             D.barrier(self.process_group)
-        except DiskFullError as exc:
+        except (Exception, CheckpointException) as raw:
+            exc = _unwrap(raw)
+            # torch.save reports a full disk as a RuntimeError about zip positions; free space tells.
+            if not isinstance(exc, OSError) and _free_bytes(local_work) < _tensor_bytes(tensors) + len(payload):
+                exc = OSError(errno.ENOSPC, "No space left on device", getattr(exc, "filename", None) or local_work)
             self._discard(storage, work, local_work)
-            raise DiskFullError(exc.errno, f"step {step}: {exc.strerror}") from exc
-        except Exception as exc:
-            self._discard(storage, work, local_work)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    exc.errno,
+                    f"step {step}: the disk is full while writing {exc.filename or local_work}; free space or "
+                    "choose another save folder (checkpoints already saved were not touched)",
+                ) from raw
             where = getattr(exc, "filename", None) or local_work
             raise CheckpointSaveError(f"saving step {step} to {final} failed while {stage} ({where}): {exc}") from exc
         if not storage.supports_rename:
@@ -426,6 +435,8 @@ class Checkpointer:
             else:
                 record = self.verify(path, checksums=self.verify_checksums)
             payload = self._read_train_state(local, rank, record)
+            with open(os.path.join(local, MODEL_DIR, ".metadata"), "rb") as f:
+                safe_load_metadata(f.read())  # refuses a tampered pickle before DCP opens it
             tensors, _ = state.capture()
             try:
                 with _quiet_dcp():
@@ -435,11 +446,12 @@ class Checkpointer:
                         process_group=self.process_group,
                         no_dist=D.get_world_size(self.process_group) == 1,
                     )
-            except CheckpointError:
-                raise
-            except Exception as exc:
+            except (Exception, CheckpointException) as raw:
+                exc = _unwrap(raw)
+                if isinstance(exc, CheckpointError):
+                    raise exc from raw
                 raise CheckpointError(
-                    f"checkpoint {path} does not fit this model/optimizer ({_first_line(exc)}); load it into the "
+                    f"checkpoint {path} does not fit this model/optimizer ({_last_line(exc)}); load it into the "
                     "model it was saved from, or start a fresh save folder"
                 ) from exc
             state.restore(tensors, payload.get("state_meta", {}))
@@ -493,11 +505,11 @@ class Checkpointer:
 
         The slow part (deleting files) is handed to ``run_in_background`` when given.
         """
-        storage = storage_for(path)
         name = path.rstrip("/").rsplit("/", 1)[-1]
         parent = path.rstrip("/")[: -len(name) - 1]
         if parse_step(name) is None or not parent or parent.endswith(":/") or parent.endswith(":"):
             raise ConfigurationError(f"refusing to remove {path!r}: only step folders inside a save folder are removed")
+        storage = storage_for(path)
         storage.remove_file(storage.join(path, COMMIT_RECORD))
         if storage.supports_rename:
             trash = storage.join(parent, f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
@@ -553,6 +565,26 @@ def _written_by(rel: str, rank: int) -> bool:
     return False
 
 
-def _first_line(exc: BaseException) -> str:
+def _free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 1 << 62
+    return st.f_bavail * st.f_frsize
+
+
+def _tensor_bytes(tree: Mapping[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in flatten_tensors(tree))
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    # DCP wraps each rank's failure in a CheckpointException (a BaseException); find the real one.
+    while isinstance(exc, CheckpointException) and exc.failures:
+        inner = next(iter(exc.failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    return exc
+
+
+def _last_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return text[-1].strip() if text else type(exc).__name__

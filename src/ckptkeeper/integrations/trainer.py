@@ -188,6 +188,7 @@ class Trainer:
 
     def save_checkpoint(self, ephemeral: bool = False) -> str:
         """Save the current state synchronously; returns the checkpoint's path."""
+        self._dispatch_finished_saves()
         result = self.checkpointer.save(
             self.save_folder, self.global_step, self.state, train_state=self._train_state(), ephemeral=ephemeral
         )
@@ -196,6 +197,7 @@ class Trainer:
 
     def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[SaveResult]]:
         """Snapshot the state now and save it in the background; returns (path, future)."""
+        self._dispatch_finished_saves()
         path, fut = self.checkpointer.save_async(
             self.save_folder, self.global_step, self.state, train_state=self._train_state(), ephemeral=ephemeral
         )

@@ -1,0 +1,160 @@
+"""Async saves: the snapshot is isolated, failures surface with step and file, one save at a time,
+staging buffers are reused, and async writes the same tensors as sync."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+import ckptkeeper.engine.checkpointer as engine_mod
+from ckptkeeper import Checkpointer, CheckpointerCallback, CheckpointSaveError, TrainingState, state_digest
+
+from ..helpers import tiny_trainer
+
+
+def _state() -> TrainingState:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    return TrainingState(model, opt)
+
+
+def _read_tensors(folder: Path, like: TrainingState) -> dict[str, Any]:
+    tensors, _ = like.capture()
+    fresh = {k: {kk: torch.zeros_like(vv) for kk, vv in v.items()} if k == "model" else v for k, v in tensors.items()}
+    dcp_load({"model": fresh["model"]}, storage_reader=FileSystemReader(str(folder / "model_and_optim")), no_dist=True)
+    return fresh["model"]
+
+
+def test_state_changed_after_the_call_does_not_leak_in(tmp_path: Path) -> None:
+    st = _state()
+    before = {k: v.clone() for k, v in st.model.state_dict().items()}
+    ckpt = Checkpointer()
+    _, fut = ckpt.save_async(str(tmp_path), 1, st)
+    with torch.no_grad():
+        for p in st.model.parameters():
+            p.add_(1000.0)  # right after the call returns, while the write may still run
+    fut.result()
+    saved = _read_tensors(tmp_path / "step1", st)
+    for k, v in before.items():
+        assert torch.equal(saved[k], v), k
+    ckpt.close()
+
+
+def test_background_failure_surfaces_with_step_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = engine_mod.dcp_save
+    calls = {"n": 0}
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the save of step 4 (after the pre-train save at 0)
+            raise OSError(errno.EIO, "Input/output error", "/disk/broken/__0_0.distcp")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "dcp_save", failing)
+    cb = CheckpointerCallback(save_interval=4, save_async=True)
+    trainer = tiny_trainer(str(tmp_path), cb, steps=10)
+    with pytest.raises(CheckpointSaveError) as info:
+        trainer.fit()
+    msg = str(info.value)
+    assert "step 4" in msg and "__0_0.distcp" in msg and "Input/output error" in msg
+    # Nothing half-visible: step 4 is neither complete nor left as a folder; step 0 is intact.
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path))] == [0]
+    assert not (tmp_path / "step4").exists()
+
+
+def test_at_most_one_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = engine_mod.dcp_save
+    log: list[str] = []
+    active = {"n": 0, "max": 0}
+    release = threading.Event()
+    lock = threading.Lock()
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            active["n"] += 1
+            active["max"] = max(active["max"], active["n"])
+            log.append("start")
+        release.wait(timeout=30)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                active["n"] -= 1
+                log.append("end")
+
+    monkeypatch.setattr(engine_mod, "dcp_save", slow)
+    ckpt = Checkpointer()
+    st = _state()
+    _, first = ckpt.save_async(str(tmp_path), 1, st)
+    assert ckpt.save_in_flight
+    second: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: second.update(r=ckpt.save_async(str(tmp_path), 2, st)))
+    t.start()
+    t.join(timeout=0.5)
+    assert "r" not in second  # the second call waits for the first save
+    release.set()
+    t.join(timeout=30)
+    second["r"][1].result()
+    first.result()
+    assert active["max"] == 1
+    assert log == ["start", "end", "start", "end"]
+    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [1, 2]
+    ckpt.close()
+
+
+def test_staging_buffers_are_allocated_once_and_reused(tmp_path: Path) -> None:
+    ckpt = Checkpointer()
+    st = _state()
+    ptrs = []
+    for step in range(1, 4):
+        ckpt.save_async(str(tmp_path), step, st)
+        ckpt.wait()
+        ptrs.append(sorted(b.data_ptr() for b in ckpt._stager._buffers.values()))
+    assert ckpt._stager.allocations == 1
+    assert ptrs[0] == ptrs[1] == ptrs[2]
+    assert ckpt._stager.nbytes >= sum(p.numel() * 4 for p in st.model.parameters())
+    ckpt.close()
+
+
+def test_sync_and_async_write_identical_tensors(tmp_path: Path) -> None:
+    st = _state()
+    ckpt = Checkpointer()
+    ckpt.save(str(tmp_path), 1, st)
+    _, fut = ckpt.save_async(str(tmp_path), 2, st)
+    fut.result()
+    a = _read_tensors(tmp_path / "step1", st)
+    b = _read_tensors(tmp_path / "step2", st)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k])
+    other = _state()
+    ckpt.load(str(tmp_path / "step2"), other)
+    assert state_digest(other.model, other.optimizer) == state_digest(st.model, st.optimizer)
+    ckpt.close()
+
+
+def test_save_result_metrics_reach_post_checkpoint_saved(tmp_path: Path) -> None:
+    from ckptkeeper import Callback, SaveResult
+
+    seen: list[SaveResult] = []
+
+    class Watch(Callback):
+        def post_checkpoint_saved(self, path: str, result: SaveResult) -> None:
+            seen.append(result)
+
+    cb = CheckpointerCallback(save_interval=3, save_async=True)
+    tiny_trainer(str(tmp_path), cb, steps=7, extra_callbacks=[Watch()]).fit()
+    assert [r.step for r in seen] == [0, 3, 6, 7]
+    for r in seen:
+        assert r.bytes > 0 and r.durable_s >= r.blocked_s >= 0 and r.throughput > 0

@@ -1,0 +1,21 @@
+"""Backends for the conformance suite; object-store servers are added by the object-storage tests."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+BACKENDS = ["local", "memory"]
+
+
+def backend_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty root folder (path or URL) on the backend named by ``request.param``."""
+    if request.param == "local":
+        yield str(tmp_path / "root")
+    elif request.param == "memory":
+        yield f"memory://bucket/{uuid.uuid4().hex[:8]}"
+    else:
+        raise AssertionError(request.param)
