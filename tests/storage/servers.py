@@ -1,4 +1,4 @@
-"""Backends for the conformance suite; object-store servers are added by the object-storage tests."""
+"""The backends every conformance test runs against."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BACKENDS = ["local", "memory"]
+BACKENDS = ["local", "memory", "s3", "gs"]
 
 
 def backend_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
@@ -17,5 +17,9 @@ def backend_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         yield str(tmp_path / "root")
     elif request.param == "memory":
         yield f"memory://bucket/{uuid.uuid4().hex[:8]}"
+    elif request.param == "s3":
+        yield request.getfixturevalue("s3_root")
+    elif request.param == "gs":
+        yield request.getfixturevalue("gs_root")
     else:
         raise AssertionError(request.param)

@@ -40,7 +40,6 @@ from ..errors import (
     ConfigurationError,
     CorruptCheckpointError,
     DiskFullError,
-    StorageError,
 )
 from ..storage import Storage, storage_for
 from ..storage.layout import (
@@ -266,7 +265,7 @@ class Checkpointer:
             # torch.save reports a full disk as a RuntimeError about zip positions; free space tells.
             if not isinstance(exc, OSError) and _free_bytes(local_work) < _tensor_bytes(tensors) + len(payload):
                 exc = OSError(errno.ENOSPC, "No space left on device", getattr(exc, "filename", None) or local_work)
-            self._discard(storage, work, local_work)
+            self._discard(storage, work, local_work, final if stage == "publishing" else None)
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(
                     exc.errno,
@@ -321,9 +320,15 @@ class Checkpointer:
         storage.create_exclusive(storage.join(final, COMMIT_RECORD), record.to_json())
 
     @staticmethod
-    def _discard(storage: Storage, work: str, local_work: str) -> None:
+    def _discard(storage: Storage, work: str, local_work: str, final: str | None = None) -> None:
         with contextlib.suppress(Exception):
             shutil.rmtree(local_work, ignore_errors=True)
+        if final is not None and not storage.supports_rename:
+            # Best effort: data objects already uploaded without a commit record are invisible
+            # anyway, and the next run removes whatever this cannot.
+            with contextlib.suppress(Exception):
+                if not storage.exists(storage.join(final, COMMIT_RECORD)):
+                    storage.remove_tree(final)
 
     # ------------------------------------------------------------------ discovery
 
@@ -546,10 +551,18 @@ class Checkpointer:
                 else:
                     storage.remove_tree(full)
                 gone.append(full)
-        try:
-            storage.cleanup_orphans(save_folder)
-        except StorageError:
-            raise
+        if not storage.supports_rename:
+            # Object stores: step prefixes without a commit record are interrupted saves or removals.
+            for name in storage.list_dir(save_folder):
+                if parse_step(name) is None:
+                    continue
+                full = storage.join(save_folder, name)
+                if not storage.exists(storage.join(full, COMMIT_RECORD)):
+                    storage.remove_tree(full)
+                    gone.append(full)
+            aborted = storage.cleanup_orphans(save_folder)
+            if aborted:
+                log.info("aborted %d unfinished multipart uploads under %s", aborted, save_folder)
         return gone
 
 

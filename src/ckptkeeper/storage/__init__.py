@@ -7,6 +7,8 @@ extras, imported only when used, with an install hint when missing).
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
 
 from ..errors import ConfigurationError
@@ -36,9 +38,28 @@ _REGISTRY: dict[str, Callable[[str], Storage]] = {
 }
 
 
+_INSTANCES: dict[tuple[str, ...], Storage] = {}
+_INSTANCES_LOCK = threading.Lock()
+# Client settings read from the environment: a change makes a new client (tests start servers).
+_CLIENT_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_DEFAULT_REGION",
+    "STORAGE_EMULATOR_HOST",
+    "CKPTKEEPER_GCS_TOKEN",
+    "CKPTKEEPER_RETRIES",
+)
+
+
 def register_scheme(scheme: str, factory: Callable[[str], Storage]) -> None:
     """Make ``scheme://`` URLs use the Storage that ``factory(url)`` returns."""
     _REGISTRY[scheme] = factory
+    with _INSTANCES_LOCK:
+        for key in [k for k in _INSTANCES if k[0] == scheme]:
+            del _INSTANCES[key]
 
 
 def is_url(path: str) -> bool:
@@ -59,4 +80,9 @@ def storage_for(path: str) -> Storage:
     except KeyError:
         known = ", ".join(sorted(_REGISTRY))
         raise ConfigurationError(f"unsupported storage scheme '{scheme}://' in {path!r}; use one of: {known}") from None
-    return factory(path)
+    # One client per scheme and settings: creating an S3 or GCS client costs tens of milliseconds.
+    key = (scheme, *(os.environ.get(name, "") for name in _CLIENT_ENV))
+    with _INSTANCES_LOCK:
+        if key not in _INSTANCES:
+            _INSTANCES[key] = factory(path)
+        return _INSTANCES[key]
