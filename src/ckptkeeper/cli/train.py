@@ -60,7 +60,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--crash-at-step", type=int, default=None, help="exit abruptly right after this step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=64, help="width of the built-in model")
-    p.add_argument("--report", default=None, help="write a JSON report here")
+    p.add_argument("--report", default=None, help="write a JSON report here (rank 0)")
     p.set_defaults(func=run)
 
 
@@ -97,6 +97,26 @@ def run(args: argparse.Namespace) -> int:
     except ConfigurationError as exc:
         print(f"ckptkeeper train: invalid setting: {exc}", file=sys.stderr)
         return 2
+    started_group = D.init_from_env()
+    try:
+        code = _train(args, cb)
+    except BaseException:
+        if started_group:
+            D.shutdown_abruptly()
+        raise
+    if started_group:
+        D.shutdown()
+        # Interpreter teardown after a finished gloo run sometimes aborts in a gloo thread
+        # ("terminate called without an active exception"), turning a good run into a failed
+        # one; everything is flushed and every rank is past the barrier, so leave directly.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _train(args: argparse.Namespace, cb: CheckpointerCallback) -> int:
     setup = build_builtin(seed=args.seed, hidden=args.hidden)
     callbacks: list[Callback] = [cb]
     if args.crash_at_step is not None:
@@ -112,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         checkpointer=Checkpointer(),
     )
     trainer.fit()
-    if trainer.checkpoint_loaded and trainer.start_step >= args.steps:
+    if trainer.checkpoint_loaded and trainer.start_step >= args.steps and D.get_rank() == 0:
         print(f"{args.save_folder} already holds step {trainer.start_step} (>= --steps {args.steps}); nothing to do")
     digest = state_digest(setup.model, setup.optimizer)
     if args.report and D.get_rank() == 0:

@@ -6,6 +6,7 @@ no process group (rank 0 of 1), so the rest of the library never needs to ask.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 __all__ = [
+    "all_agree",
     "all_gather_object",
     "backend_supports_cpu",
     "barrier",
@@ -21,8 +23,11 @@ __all__ = [
     "get_local_rank",
     "get_rank",
     "get_world_size",
+    "init_from_env",
     "is_distributed",
     "new_cpu_group",
+    "shutdown",
+    "shutdown_abruptly",
 ]
 
 T = TypeVar("T")
@@ -94,6 +99,45 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     out: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def init_from_env() -> bool:
+    """Join the process group that torchrun describes in the environment (gloo on CPU, NCCL on GPUs).
+
+    Returns True when this call created the group; False when there is nothing to join (a single
+    process) or a group is already up.
+    """
+    if is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    import torch
+
+    use_cuda = torch.cuda.is_available() and os.environ.get("CKPTKEEPER_BACKEND", "") != "gloo"
+    if use_cuda:
+        torch.cuda.set_device(get_local_rank())
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return True
+
+
+def shutdown() -> None:
+    """Wait for every rank, then tear the default group down (a no-op without one)."""
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_agree(flag: bool, group: Any = None) -> bool:
+    """True only when ``flag`` is true on every rank (``flag`` itself in one process)."""
+    if not is_distributed():
+        return flag
+    return all(all_gather_object(bool(flag), group=group))
+
+
+def shutdown_abruptly() -> None:
+    """Tear the default group down without waiting for other ranks (after an error)."""
+    if is_distributed():
+        # The group may already be broken by the error being raised.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def new_cpu_group(timeout_minutes: float = 30) -> Any:

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -40,6 +40,7 @@ from ..errors import (
     ConfigurationError,
     CorruptCheckpointError,
     DiskFullError,
+    UnsafeCheckpointError,
 )
 from ..storage import Storage, storage_for
 from ..storage.layout import (
@@ -60,6 +61,8 @@ from .state import TrainingState, flatten_tensors
 __all__ = ["CheckpointInfo", "Checkpointer", "SaveResult"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -229,53 +232,75 @@ class Checkpointer:
     ) -> SaveResult:
         storage = storage_for(save_folder)
         final = storage.join(save_folder, step_dir_name(step))
-        rank = D.get_rank(self.process_group)
-        world = D.get_world_size(self.process_group)
+        pg = self.process_group
+        rank, world = D.get_rank(pg), D.get_world_size(pg)
         if storage.supports_rename:
+            # A shared filesystem: all ranks write into one temporary folder, renamed at commit.
             work = storage.join(save_folder, f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}")
-            work = D.broadcast_object(work, group=self.process_group)
+            work = D.broadcast_object(work, group=pg)
         else:
+            # An object store: each rank spools its own files locally and uploads them itself.
             work = tempfile.mkdtemp(prefix=f"ckptkeeper-{step_dir_name(step)}-", dir=self.spool_dir)
         local_work = storage.local_path(work) or work
-        stage = "writing tensors"
-        try:
+        files: dict[str, FileEntry] = {}
+        stage = "preparing"
+
+        def prepare() -> None:
             with translate_os_error(local_work):
                 os.makedirs(os.path.join(local_work, MODEL_DIR), exist_ok=True)
-                with _quiet_dcp():
-                    dcp_save(
-                        dict(tensors),
-                        storage_writer=FileSystemWriter(os.path.join(local_work, MODEL_DIR), sync_files=True),
-                        process_group=self.process_group,
-                        no_dist=world == 1,
-                    )
-                stage = "writing trainer state"
+            if rank == 0 and not storage.supports_rename and storage.list_dir(final):
+                self._delete_now(storage, final)  # leftovers of an earlier try at this step
+
+        def write_tensors() -> None:
+            with translate_os_error(local_work), _quiet_dcp():
+                dcp_save(
+                    dict(tensors),
+                    storage_writer=FileSystemWriter(os.path.join(local_work, MODEL_DIR), sync_files=True),
+                    process_group=pg,
+                    no_dist=world == 1,
+                )
+
+        def finish_own_files() -> dict[str, FileEntry]:
+            with translate_os_error(local_work):
                 storage_for(local_work).write_bytes(os.path.join(local_work, train_state_name(rank)), payload)
-            stage = "checksumming"
             mine = self._hash_own_files(local_work, rank, world)
-            files: dict[str, FileEntry] = {}
-            for part in D.all_gather_object(mine, group=self.process_group):
+            if not storage.supports_rename:
+                self._upload(storage, local_work, final, sorted(mine))
+            return mine
+
+        try:
+            _agree(prepare, step, pg)
+            stage = "writing tensors"
+            _agree(write_tensors, step, pg)
+            stage = "writing trainer state and uploading" if not storage.supports_rename else "writing trainer state"
+            for part in _agree(finish_own_files, step, pg):
                 files.update(part)
-            if rank == 0:
-                record = CommitRecord(step=step, ephemeral=ephemeral, world_size=world, files=files)
-                stage = "publishing"
-                self._publish(storage, local_work, final, record)
-            D.barrier(self.process_group)
+            stage = "publishing"
+            record = CommitRecord(step=step, ephemeral=ephemeral, world_size=world, files=files)
+            _agree(lambda: self._publish(storage, local_work, final, record) if rank == 0 else None, step, pg)
         except (Exception, CheckpointException) as raw:
             exc = _unwrap(raw)
+            if isinstance(exc, CheckpointSaveError):
+                self._discard(storage, local_work, final if rank == 0 and stage != "preparing" else None)
+                raise exc from raw  # another rank failed: its message already says where
             # torch.save reports a full disk as a RuntimeError about zip positions; free space tells.
             if not isinstance(exc, OSError) and _free_bytes(local_work) < _tensor_bytes(tensors) + len(payload):
                 exc = OSError(errno.ENOSPC, "No space left on device", getattr(exc, "filename", None) or local_work)
-            self._discard(storage, work, local_work, final if stage == "publishing" else None)
+            self._discard(storage, local_work, final if rank == 0 and stage != "preparing" else None)
+            on_rank = f" on rank {rank}" if world > 1 else ""
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(
                     exc.errno,
-                    f"step {step}: the disk is full while writing {exc.filename or local_work}; free space or "
-                    "choose another save folder (checkpoints already saved were not touched)",
+                    f"step {step}{on_rank}: the disk is full while writing {exc.filename or local_work}; free "
+                    "space or choose another save folder (checkpoints already saved were not touched)",
                 ) from raw
             where = getattr(exc, "filename", None) or local_work
-            raise CheckpointSaveError(f"saving step {step} to {final} failed while {stage} ({where}): {exc}") from exc
-        if not storage.supports_rename:
-            shutil.rmtree(local_work, ignore_errors=True)
+            raise CheckpointSaveError(
+                f"saving step {step} to {final} failed{on_rank} while {stage} ({where}): {exc}"
+            ) from exc
+        finally:
+            if not storage.supports_rename:
+                shutil.rmtree(local_work, ignore_errors=True)
         total = sum(e.bytes for e in files.values())
         elapsed = time.perf_counter() - t0
         log.info(
@@ -287,6 +312,10 @@ class Checkpointer:
             total / 2**20 / max(elapsed, 1e-9),
         )
         return SaveResult(step, final, ephemeral, total, elapsed, elapsed)
+
+    def _upload(self, storage: Storage, local_work: str, final: str, names: list[str]) -> None:
+        with ThreadPoolExecutor(max_workers=self.upload_threads) as pool:
+            list(pool.map(lambda rel: storage.upload(os.path.join(local_work, rel), storage.join(final, rel)), names))
 
     @staticmethod
     def _hash_own_files(local_work: str, rank: int, world: int) -> dict[str, FileEntry]:
@@ -312,15 +341,11 @@ class Checkpointer:
                 self._delete_now(storage, final)
             storage.rename_dir(local_work, final)
             return
-        if storage.list_dir(final):
-            self._delete_now(storage, final)
-        names = sorted(record.files)
-        with ThreadPoolExecutor(max_workers=self.upload_threads) as pool:
-            list(pool.map(lambda rel: storage.upload(os.path.join(local_work, rel), storage.join(final, rel)), names))
+        # Every rank has uploaded its own files by now; the record goes last, create-only.
         storage.create_exclusive(storage.join(final, COMMIT_RECORD), record.to_json())
 
     @staticmethod
-    def _discard(storage: Storage, work: str, local_work: str, final: str | None = None) -> None:
+    def _discard(storage: Storage, local_work: str, final: str | None = None) -> None:
         with contextlib.suppress(Exception):
             shutil.rmtree(local_work, ignore_errors=True)
         if final is not None and not storage.supports_rename:
@@ -429,16 +454,25 @@ class Checkpointer:
         ``verify_checksums=False``), so a corrupt checkpoint raises before the model is touched.
         """
         storage = storage_for(path)
-        rank = D.get_rank(self.process_group)
+        pg = self.process_group
+        rank = D.get_rank(pg)
         local = storage.local_path(path)
         spool: str | None = None
         try:
             if local is None:
+                # Each rank downloads and verifies what it loads; all ranks agree before loading.
                 spool = tempfile.mkdtemp(prefix="ckptkeeper-load-", dir=self.spool_dir)
-                record = self._download(storage, path, spool)
+                where = spool
+                record = _agree(lambda: self._download(storage, path, where), None, pg, _load_error)[rank]
                 local = spool
             else:
-                record = self.verify(path, checksums=self.verify_checksums)
+                # One filesystem: rank 0 verifies every file, the others take its verdict.
+                def check() -> CommitRecord:
+                    if rank == 0:
+                        return self.verify(path, checksums=self.verify_checksums)
+                    return self.read_record(path)
+
+                record = _agree(check, None, pg, _load_error)[rank]
             payload = self._read_train_state(local, rank, record)
             with open(os.path.join(local, MODEL_DIR, ".metadata"), "rb") as f:
                 safe_load_metadata(f.read())  # refuses a tampered pickle before DCP opens it
@@ -576,6 +610,51 @@ def _written_by(rel: str, rank: int) -> bool:
         # DCP names each rank's data file __{rank}_{n}.distcp.
         return base.startswith(f"__{rank}_")
     return False
+
+
+def _save_error(rank: int, kind: str, msg: str, step: int | None) -> BaseException:
+    return CheckpointSaveError(f"step {step} failed on rank {rank}: {msg}")
+
+
+def _load_error(rank: int, kind: str, msg: str, step: int | None) -> BaseException:
+    cls = {
+        "CheckpointNotFoundError": CheckpointNotFoundError,
+        "UnsafeCheckpointError": UnsafeCheckpointError,
+        "CorruptCheckpointError": CorruptCheckpointError,
+    }.get(kind, CheckpointError)
+    return cls(f"on rank {rank}: {msg}")
+
+
+def _agree(
+    fn: Callable[[], T],
+    step: int | None,
+    group: Any,
+    make_error: Callable[[int, str, str, int | None], BaseException] = _save_error,
+) -> list[T]:
+    """Run ``fn`` on every rank, then exchange outcomes so that every rank fails together.
+
+    Every rank enters exactly one collective per call whatever happened locally, so a failure on
+    one rank can never leave the others waiting in a collective it skipped. In one process this
+    is just ``[fn()]`` and the error keeps its type.
+    """
+    result: T | None = None
+    error: BaseException | None = None
+    try:
+        result = fn()
+    except (Exception, CheckpointException) as exc:
+        error = exc
+    if D.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return [result]  # type: ignore[list-item]
+    failure = None if error is None else (type(_unwrap(error)).__name__, str(_unwrap(error)))
+    outcomes = D.all_gather_object((failure, None if error is not None else result), group=group)
+    if error is not None:
+        raise error
+    for r, (fail, _) in enumerate(outcomes):
+        if fail is not None:
+            raise make_error(r, fail[0], fail[1], step)
+    return cast(list[T], [res for _, res in outcomes])
 
 
 def _free_bytes(path: str) -> int:

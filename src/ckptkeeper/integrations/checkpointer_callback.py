@@ -122,7 +122,11 @@ class CheckpointerCallback(Callback):
 
     def _await_last_checkpoint(self, blocking: bool = True) -> None:
         fut = self._future
-        if fut is None or not (blocking or fut.done()):
+        if fut is None:
+            return
+        # Ranks must notice a finished save at the same step: one that raised the save's error a
+        # step earlier than the others would leave them waiting in training collectives.
+        if not blocking and not D.all_agree(fut.done()):
             return
         self._future = None
         fut.result()

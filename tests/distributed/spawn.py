@@ -1,0 +1,77 @@
+"""Run a function on N real processes joined in a gloo group, with a hard deadline (never a hang)."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from ..servers import free_port
+
+
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: str, env: dict[str, str]
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    per_rank = env.get(f"RANK{rank}_ENV")
+    if per_rank:
+        os.environ.update(json.loads(per_rank))
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo")
+    try:
+        result: dict[str, Any] = {"ok": True, "value": fn(rank, *args)}
+    except BaseException as exc:
+        result = {"ok": False, "type": type(exc).__name__, "error": str(exc), "tb": traceback.format_exc()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_ranks(
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    out: Path,
+    env: dict[str, str] | None = None,
+    per_rank_env: dict[int, dict[str, str]] | None = None,
+    timeout: float = 180,
+) -> list[dict[str, Any]]:
+    """Run ``fn(rank, *args)`` on ``world`` spawned processes; returns each rank's outcome."""
+    out.mkdir(parents=True, exist_ok=True)
+    full_env = dict(env or {})
+    for r, e in (per_rank_env or {}).items():
+        full_env[f"RANK{r}_ENV"] = json.dumps(e)
+    ctx = mp.start_processes(
+        _entry,
+        args=(world, free_port(), fn, args, str(out), full_env),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"ranks still running after {timeout}s: a hang")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -1,0 +1,100 @@
+"""Functions that run inside spawned ranks (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckptkeeper import Checkpointer, CheckpointerCallback, Trainer, TrainingState, state_digest
+from ckptkeeper.engine.record import FileEntry
+
+
+class RecordingCheckpointer(Checkpointer):
+    """Remembers which checkpoints this process removed itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.removed: list[str] = []
+
+    def remove(self, path: str, run_in_background: Any = None) -> None:
+        self.removed.append(path.rstrip("/").rsplit("/", 1)[-1])
+        super().remove(path, run_in_background)
+
+
+class FailingCheckpointer(Checkpointer):
+    """Fails on one rank at one step, while hashing its own files (mid-save)."""
+
+    def __init__(self, fail_rank: int, fail_step: int) -> None:
+        super().__init__()
+        self.fail_rank, self.fail_step = fail_rank, fail_step
+
+    def _hash_own_files(self, local_work: str, rank: int, world: int) -> dict[str, FileEntry]:
+        if rank == self.fail_rank and f"step{self.fail_step}-" in os.path.basename(local_work):
+            raise OSError(5, "Input/output error", os.path.join(local_work, "model_and_optim", f"__{rank}_0.distcp"))
+        return super()._hash_own_files(local_work, rank, world)
+
+
+def _sharded(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 3))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)) for _ in range(5)]
+
+
+def train_and_record_removals(rank: int, folder: str) -> list[str]:
+    model, opt = _sharded()
+    ckpt = RecordingCheckpointer()
+    cb = CheckpointerCallback(save_interval=10, ephemeral_save_interval=2, save_async=False)
+    Trainer(
+        model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
+        max_steps=7, callbacks=[cb], checkpointer=ckpt,
+    ).fit()  # fmt: skip
+    return ckpt.removed
+
+
+def train_with_a_failing_rank(rank: int, folder: str, save_async: bool) -> str:
+    model, opt = _sharded()
+    cb = CheckpointerCallback(save_interval=4, save_async=save_async)
+    Trainer(
+        model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
+        max_steps=9, callbacks=[cb], checkpointer=FailingCheckpointer(fail_rank=1, fail_step=4),
+    ).fit()  # fmt: skip
+    return "finished"
+
+
+def sharded_round_trip(rank: int, folder: str) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    model, opt = _sharded()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    want = state_digest(model, opt)
+    ckpt = Checkpointer()
+    _, fut = ckpt.save_async(folder, 3, TrainingState(model, opt))
+    fut.result()
+    staged = list(ckpt._stager._buffers.values())
+    tensors, _ = TrainingState(model, opt).capture()
+    placements = {str(t.placements) for t in tensors["model"].values() if isinstance(t, DTensor)}
+    other, other_opt = _sharded(seed=1)
+    assert state_digest(other, other_opt) != want
+    ckpt.load(f"{folder}/step3", TrainingState(other, other_opt))
+    ckpt.close()
+    return {
+        "equal": state_digest(other, other_opt) == want,
+        "staged_local_numel": sum(b.numel() for b in staged),
+        "full_numel": sum(p.numel() for p in model.parameters()),
+        "placements": sorted(placements),
+    }
