@@ -4,6 +4,7 @@ staging buffers are reused, and async writes the same tensors as sync."""
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,6 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-import ckptkeeper.engine.checkpointer as engine_mod
 from ckptkeeper import Checkpointer, CheckpointerCallback, CheckpointSaveError, TrainingState, state_digest
 
 from ..helpers import tiny_trainer
@@ -51,19 +51,22 @@ def test_state_changed_after_the_call_does_not_leak_in(tmp_path: Path) -> None:
     ckpt.close()
 
 
-def test_background_failure_surfaces_with_step_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = engine_mod.dcp_save
-    calls = {"n": 0}
+class FailingAt(Checkpointer):
+    """Its tensor write fails with an I/O error at one step."""
 
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:  # the save of step 4 (after the pre-train save at 0)
-            raise OSError(errno.EIO, "Input/output error", "/disk/broken/__0_0.distcp")
-        return real(*args, **kwargs)
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.fail_step = step
 
-    monkeypatch.setattr(engine_mod, "dcp_save", failing)
+    def _write_tensors(self, model_dir: str, tensors: Any, world: int) -> Any:
+        if f"step{self.fail_step}-" in model_dir:
+            raise OSError(errno.EIO, "Input/output error", os.path.join(model_dir, "__0_0.distcp"))
+        return super()._write_tensors(model_dir, tensors, world)
+
+
+def test_background_failure_surfaces_with_step_and_file(tmp_path: Path) -> None:
     cb = CheckpointerCallback(save_interval=4, save_async=True)
-    trainer = tiny_trainer(str(tmp_path), cb, steps=10)
+    trainer = tiny_trainer(str(tmp_path), cb, steps=10, checkpointer=FailingAt(4))
     with pytest.raises(CheckpointSaveError) as info:
         trainer.fit()
     msg = str(info.value)
@@ -73,28 +76,27 @@ def test_background_failure_surfaces_with_step_and_file(tmp_path: Path, monkeypa
     assert not (tmp_path / "step4").exists()
 
 
-def test_at_most_one_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = engine_mod.dcp_save
+def test_at_most_one_save_in_flight(tmp_path: Path) -> None:
     log: list[str] = []
     active = {"n": 0, "max": 0}
     release = threading.Event()
     lock = threading.Lock()
 
-    def slow(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            active["n"] += 1
-            active["max"] = max(active["max"], active["n"])
-            log.append("start")
-        release.wait(timeout=30)
-        try:
-            return real(*args, **kwargs)
-        finally:
+    class Slow(Checkpointer):
+        def _write_tensors(self, model_dir: str, tensors: Any, world: int) -> Any:
             with lock:
-                active["n"] -= 1
-                log.append("end")
+                active["n"] += 1
+                active["max"] = max(active["max"], active["n"])
+                log.append("start")
+            release.wait(timeout=30)
+            try:
+                return super()._write_tensors(model_dir, tensors, world)
+            finally:
+                with lock:
+                    active["n"] -= 1
+                    log.append("end")
 
-    monkeypatch.setattr(engine_mod, "dcp_save", slow)
-    ckpt = Checkpointer()
+    ckpt = Slow()
     st = _state()
     _, first = ckpt.save_async(str(tmp_path), 1, st)
     assert ckpt.save_in_flight

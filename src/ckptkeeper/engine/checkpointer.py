@@ -53,6 +53,7 @@ from ..storage.layout import (
     train_state_name,
 )
 from ..storage.local import translate_os_error
+from .fastio import DATA_FILE, Segment, can_use_fast_path, read_fast, write_fast
 from .record import CommitRecord, FileEntry, hash_file
 from .safe_metadata import SafeFileSystemReader, safe_load_metadata
 from .staging import Stager
@@ -122,11 +123,28 @@ class Checkpointer:
         process_group: Any = None,
         spool_dir: str | None = None,
         upload_threads: int = 8,
+        io_threads: int = 2,
+        writer: str = "auto",
+        staging_budget_bytes: int | None = None,
+        over_budget: str = "sync",
     ) -> None:
+        if writer not in ("auto", "dcp"):
+            raise ConfigurationError(f"'writer' must be 'auto' or 'dcp', got {writer!r}")
+        if over_budget not in ("sync", "error"):
+            raise ConfigurationError(f"'over_budget' must be 'sync' or 'error', got {over_budget!r}")
+        env_budget = os.environ.get("CKPTKEEPER_STAGING_BUDGET")
+        if staging_budget_bytes is None and env_budget:
+            staging_budget_bytes = int(env_budget)
+        if staging_budget_bytes is not None and staging_budget_bytes < 0:
+            raise ConfigurationError(f"'staging_budget_bytes' must be at least 0, got {staging_budget_bytes}")
         self.verify_checksums = verify_checksums
         self.process_group = process_group
         self.spool_dir = spool_dir
         self.upload_threads = upload_threads
+        self.io_threads = io_threads
+        self.writer = writer
+        self.staging_budget_bytes = staging_budget_bytes
+        self.over_budget = over_budget
         self._stager = Stager()
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[SaveResult] | None = None
@@ -170,6 +188,21 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         tensors, meta = state.capture()
+        need = _tensor_bytes(tensors)
+        if self.staging_budget_bytes is not None and need > self.staging_budget_bytes:
+            msg = (
+                f"step {step}: an async save needs {need / 2**20:.1f} MiB of staging memory but the budget is "
+                f"{self.staging_budget_bytes / 2**20:.1f} MiB"
+            )
+            if self.over_budget == "error":
+                raise ConfigurationError(
+                    f"{msg}; raise staging_budget_bytes (or CKPTKEEPER_STAGING_BUDGET) or use over_budget='sync'"
+                )
+            log.warning("%s; saving synchronously instead", msg)
+            self._stager.release()
+            done: Future[SaveResult] = Future()
+            done.set_result(self.save(save_folder, step, state, train_state=train_state, ephemeral=ephemeral))
+            return self._final_path(save_folder, step), done
         staged = self._stager.stage(tensors)
         payload = self._train_payload(step, train_state, meta)
         blocked = time.perf_counter() - t0
@@ -251,19 +284,22 @@ class Checkpointer:
             if rank == 0 and not storage.supports_rename and storage.list_dir(final):
                 self._delete_now(storage, final)  # leftovers of an earlier try at this step
 
+        written: dict[str, FileEntry] = {}
+        extra: dict[str, Any] = {}
+
         def write_tensors() -> None:
-            with translate_os_error(local_work), _quiet_dcp():
-                dcp_save(
-                    dict(tensors),
-                    storage_writer=FileSystemWriter(os.path.join(local_work, MODEL_DIR), sync_files=True),
-                    process_group=pg,
-                    no_dist=world == 1,
-                )
+            with translate_os_error(local_work):
+                out = self._write_tensors(os.path.join(local_work, MODEL_DIR), tensors, world)
+            if out is not None:
+                fast_files, segments = out
+                written.update({f"{MODEL_DIR}/{k}": v for k, v in fast_files.items()})
+                extra["layout"] = {f"{MODEL_DIR}/{DATA_FILE}": [seg.to_json() for seg in segments]}
 
         def finish_own_files() -> dict[str, FileEntry]:
             with translate_os_error(local_work):
                 storage_for(local_work).write_bytes(os.path.join(local_work, train_state_name(rank)), payload)
-            mine = self._hash_own_files(local_work, rank, world)
+            mine = self._hash_own_files(local_work, rank, world, skip=set(written))
+            mine.update(written)
             if not storage.supports_rename:
                 self._upload(storage, local_work, final, sorted(mine))
             return mine
@@ -276,7 +312,7 @@ class Checkpointer:
             for part in _agree(finish_own_files, step, pg):
                 files.update(part)
             stage = "publishing"
-            record = CommitRecord(step=step, ephemeral=ephemeral, world_size=world, files=files)
+            record = CommitRecord(step=step, ephemeral=ephemeral, world_size=world, files=files, extra=extra)
             _agree(lambda: self._publish(storage, local_work, final, record) if rank == 0 else None, step, pg)
         except (Exception, CheckpointException) as raw:
             exc = _unwrap(raw)
@@ -317,15 +353,30 @@ class Checkpointer:
         with ThreadPoolExecutor(max_workers=self.upload_threads) as pool:
             list(pool.map(lambda rel: storage.upload(os.path.join(local_work, rel), storage.join(final, rel)), names))
 
+    def _write_tensors(
+        self, model_dir: str, tensors: Mapping[str, Any], world: int
+    ) -> tuple[dict[str, FileEntry], list[Segment]] | None:
+        """Write the tensor tree in DCP format; returns (files, layout) when the fast path wrote it."""
+        if world == 1 and self.writer == "auto" and can_use_fast_path(tensors):
+            return write_fast(model_dir, tensors, threads=self.io_threads)
+        with _quiet_dcp():
+            dcp_save(
+                dict(tensors),
+                storage_writer=FileSystemWriter(model_dir, sync_files=True),
+                process_group=self.process_group,
+                no_dist=world == 1,
+            )
+        return None
+
     @staticmethod
-    def _hash_own_files(local_work: str, rank: int, world: int) -> dict[str, FileEntry]:
+    def _hash_own_files(local_work: str, rank: int, world: int, skip: set[str] | None = None) -> dict[str, FileEntry]:
         # With several ranks each hashes the files it wrote; rank 0 also owns DCP's .metadata.
         out: dict[str, FileEntry] = {}
         for dirpath, _, names in os.walk(local_work):
             for name in names:
                 full = os.path.join(dirpath, name)
                 rel = os.path.relpath(full, local_work).replace(os.sep, "/")
-                if rel == COMMIT_RECORD:
+                if rel == COMMIT_RECORD or rel in (skip or ()):
                     continue
                 if world > 1 and not _written_by(rel, rank):
                     continue
@@ -469,7 +520,10 @@ class Checkpointer:
                 # One filesystem: rank 0 verifies every file, the others take its verdict.
                 def check() -> CommitRecord:
                     if rank == 0:
-                        return self.verify(path, checksums=self.verify_checksums)
+                        record = self.read_record(path)
+                        # Fast-path files are checked segment by segment while they are read.
+                        whole = self.verify_checksums and "layout" not in record.extra
+                        return self.verify(path, checksums=whole)
                     return self.read_record(path)
 
                 record = _agree(check, None, pg, _load_error)[rank]
@@ -477,14 +531,26 @@ class Checkpointer:
             with open(os.path.join(local, MODEL_DIR, ".metadata"), "rb") as f:
                 safe_load_metadata(f.read())  # refuses a tampered pickle before DCP opens it
             tensors, _ = state.capture()
+            layout = record.extra.get("layout", {}).get(f"{MODEL_DIR}/{DATA_FILE}")
+            fast = layout is not None and D.get_world_size(pg) == 1 and can_use_fast_path(tensors)
             try:
-                with _quiet_dcp():
-                    dcp_load(
+                if fast:
+                    segments = [Segment.from_json(row) for row in layout]
+                    read_fast(
+                        os.path.join(local, MODEL_DIR),
                         tensors,
-                        storage_reader=SafeFileSystemReader(os.path.join(local, MODEL_DIR)),
-                        process_group=self.process_group,
-                        no_dist=D.get_world_size(self.process_group) == 1,
+                        segments,
+                        verify=self.verify_checksums,
+                        threads=self.io_threads,
                     )
+                else:
+                    with _quiet_dcp():
+                        dcp_load(
+                            tensors,
+                            storage_reader=SafeFileSystemReader(os.path.join(local, MODEL_DIR)),
+                            process_group=self.process_group,
+                            no_dist=D.get_world_size(self.process_group) == 1,
+                        )
             except (Exception, CheckpointException) as raw:
                 exc = _unwrap(raw)
                 if isinstance(exc, CheckpointError):

@@ -1,0 +1,114 @@
+"""The fast single-process writer and reader: stock DCP format, budget rules, and the GPU path."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from ckptkeeper import Checkpointer, ConfigurationError, CorruptCheckpointError, TrainingState, state_digest
+from ckptkeeper.engine.fastio import can_use_fast_path, write_fast
+
+
+def _state(seed: int = 0) -> TrainingState:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    return TrainingState(model, opt)
+
+
+def test_fast_metadata_is_exactly_what_dcp_writes(tmp_path: Path) -> None:
+    tensors, _ = _state().capture()
+    assert can_use_fast_path(tensors)
+    write_fast(str(tmp_path / "fast"), tensors)
+    dcp_save(tensors, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    fast = pickle.loads((tmp_path / "fast" / ".metadata").read_bytes())
+    ref = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())
+    assert fast.state_dict_metadata == ref.state_dict_metadata
+    assert fast.planner_data == ref.planner_data
+    assert set(fast.storage_data) == set(ref.storage_data)
+    assert (tmp_path / "fast" / "__0_0.distcp").stat().st_size == (tmp_path / "dcp" / "__0_0.distcp").stat().st_size
+
+
+def test_saves_use_the_fast_path_and_record_a_checksummed_layout(tmp_path: Path) -> None:
+    ckpt = Checkpointer()
+    ckpt.save(str(tmp_path), 1, _state())
+    record = ckpt.verify(str(tmp_path / "step1"))
+    segments = record.extra["layout"]["model_and_optim/__0_0.distcp"]
+    assert {row[0] for row in segments} == {"head", "data", "tail"}
+    # The segments tile the data file exactly: every byte is covered by one checksum.
+    spans = sorted((row[2], row[3]) for row in segments)
+    pos = 0
+    for off, length in spans:
+        assert off == pos
+        pos += length
+    assert pos == record.files["model_and_optim/__0_0.distcp"].bytes
+
+
+@pytest.mark.parametrize(("save_writer", "load_writer"), [("auto", "dcp"), ("dcp", "auto"), ("dcp", "dcp")])
+def test_fast_and_dcp_paths_read_each_other(tmp_path: Path, save_writer: str, load_writer: str) -> None:
+    src = _state(0)
+    Checkpointer(writer=save_writer).save(str(tmp_path), 2, src)
+    dst = _state(1)
+    Checkpointer(writer=load_writer).load(str(tmp_path / "step2"), dst)
+    assert state_digest(dst.model, dst.optimizer) == state_digest(src.model, src.optimizer)
+
+
+def test_truncated_data_file_is_caught(tmp_path: Path) -> None:
+    ckpt = Checkpointer()
+    ckpt.save(str(tmp_path), 3, _state())
+    data = tmp_path / "step3" / "model_and_optim" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp"):
+        ckpt.load(str(tmp_path / "step3"), _state())
+
+
+def test_over_budget_falls_back_to_a_sync_save(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpt = Checkpointer(staging_budget_bytes=1024)
+    with caplog.at_level(logging.WARNING):
+        path, fut = ckpt.save_async(str(tmp_path), 4, _state())
+    assert fut.done() and fut.result().step == 4
+    assert "saving synchronously instead" in caplog.text
+    assert ckpt._stager.nbytes == 0  # nothing was staged
+    assert ckpt.dir_is_checkpoint(path)
+
+
+def test_over_budget_error_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTKEEPER_STAGING_BUDGET", "2048")
+    ckpt = Checkpointer(over_budget="error")
+    assert ckpt.staging_budget_bytes == 2048
+    with pytest.raises(ConfigurationError, match="staging_budget_bytes"):
+        ckpt.save_async(str(tmp_path), 5, _state())
+    assert not (tmp_path / "step5").exists()
+
+
+@pytest.mark.parametrize("kwargs", [{"writer": "fast"}, {"over_budget": "maybe"}, {"staging_budget_bytes": -1}])
+def test_bad_engine_settings(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigurationError):
+        Checkpointer(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: pinned staging of GPU tensors")
+def test_cuda_tensors_are_staged_in_pinned_memory(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256).cuda()
+    state = TrainingState(model)
+    ckpt = Checkpointer()
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    path, fut = ckpt.save_async(str(tmp_path), 1, state)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    result = fut.result()
+    assert all(b.is_pinned() for b in ckpt._stager._buffers.values())
+    assert result.blocked_s <= result.durable_s
+    restored = nn.Linear(256, 256)
+    Checkpointer().load(path, TrainingState(restored))
+    assert torch.equal(restored.weight, before["weight"])
+    ckpt.close()
