@@ -31,10 +31,12 @@ class FailingCheckpointer(Checkpointer):
         super().__init__()
         self.fail_rank, self.fail_step = fail_rank, fail_step
 
-    def _hash_own_files(self, local_work: str, rank: int, world: int) -> dict[str, FileEntry]:
+    def _hash_own_files(
+        self, local_work: str, rank: int, world: int, skip: set[str] | None = None
+    ) -> dict[str, FileEntry]:
         if rank == self.fail_rank and f"step{self.fail_step}-" in os.path.basename(local_work):
             raise OSError(5, "Input/output error", os.path.join(local_work, "model_and_optim", f"__{rank}_0.distcp"))
-        return super()._hash_own_files(local_work, rank, world)
+        return super()._hash_own_files(local_work, rank, world, skip)
 
 
 def _sharded(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
