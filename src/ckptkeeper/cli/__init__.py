@@ -1,4 +1,4 @@
-"""The ``ckptkeeper`` command: ``train`` (the built-in model, for demos and rehearsals) and ``ls``."""
+"""The ``ckptkeeper`` command: ``train`` (the built-in model, for demos and rehearsals), ``ls`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import CkptkeeperError
-from . import ls, train
+from . import bench, ls, train
 
 __all__ = ["main"]
 
@@ -20,6 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train.add_parser(sub)
     ls.add_parser(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
