@@ -254,3 +254,24 @@ def test_async_upload_runs_while_training_goes_on(moto: MotoServer, monkeypatch:
         assert torch.equal(restored.weight, before["weight"])  # the change made meanwhile did not leak in
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_flipped_byte_in_a_bucket_is_caught(scheme: str, request: pytest.FixtureRequest) -> None:
+    import torch
+
+    from ckptkeeper import CorruptCheckpointError, TrainingState
+
+    root: str = request.getfixturevalue(f"{scheme}_root")
+    ckpt = Checkpointer()
+    ckpt.save(root, 1, TrainingState(torch.nn.Linear(16, 16)))
+    storage = storage_for(root)
+    target = storage.join(root, "step1", "model_and_optim", "__0_0.distcp")
+    data = bytearray(storage.read_bytes(target))
+    data[len(data) // 2] ^= 0x01
+    storage.write_bytes(target, bytes(data))
+    assert ckpt.dir_is_checkpoint(storage.join(root, "step1"))  # same size: complete, but not intact
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp has checksum"):
+        ckpt.verify(storage.join(root, "step1"))
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp"):
+        ckpt.load(storage.join(root, "step1"), TrainingState(torch.nn.Linear(16, 16)))

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -35,12 +35,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from .. import distributed as D
 from ..errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointSaveError,
     ConfigurationError,
     CorruptCheckpointError,
     DiskFullError,
-    UnsafeCheckpointError,
 )
 from ..storage import Storage, storage_for
 from ..storage.layout import (
@@ -53,6 +51,9 @@ from ..storage.layout import (
     train_state_name,
 )
 from ..storage.local import translate_os_error
+from . import discovery
+from .agreement import agree, load_error, unwrap
+from .discovery import CheckpointInfo
 from .fastio import DATA_FILE, Segment, can_use_fast_path, read_fast, write_fast
 from .record import CommitRecord, FileEntry, hash_file
 from .safe_metadata import SafeFileSystemReader, safe_load_metadata
@@ -85,19 +86,6 @@ class SaveResult:
         return self.bytes / self.durable_s if self.durable_s > 0 else float("inf")
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One folder in a save folder, as ``ls`` shows it."""
-
-    step: int
-    path: str
-    complete: bool
-    ephemeral: bool | None
-    bytes: int
-    created_unix: float | None
-    problem: str | None = None
-
-
 @contextlib.contextmanager
 def _quiet_dcp() -> Iterator[None]:
     # DCP warns on every single-process call; the warning is about its own defaults, not ours.
@@ -111,7 +99,20 @@ class Checkpointer:
     """Saves and loads checkpoints of a :class:`TrainingState` under a save folder (path or URL).
 
     One save may run in the background at a time (:meth:`save_async`); starting another waits
-    for it. Loads verify every file against the commit record before any tensor is touched.
+    for it. Loads check the commit record and file sizes first, then read each tensor straight
+    into place, verifying checksums on the way.
+
+    Args:
+        verify_checksums: check xxh3 checksums on load (sizes are always checked).
+        process_group: the group checkpoint collectives use (the callback makes a gloo one for async saves).
+        spool_dir: local folder for object-store spools (default: the system temp folder).
+        upload_threads: files uploaded or downloaded at once on object stores.
+        io_threads: writer threads of the fast single-process path (they compete with training for cores).
+        read_threads: reader threads of the fast path on load.
+        writer: ``"auto"`` (fast path where possible) or ``"dcp"`` (always DCP's own writer).
+        staging_budget_bytes: host memory async staging may hold (``CKPTKEEPER_STAGING_BUDGET``); None: no cap.
+        over_budget: when a snapshot would exceed the budget, ``"sync"`` saves synchronously instead and
+            ``"error"`` raises ConfigurationError.
     """
 
     METADATA_FNAME = COMMIT_RECORD
@@ -124,6 +125,7 @@ class Checkpointer:
         spool_dir: str | None = None,
         upload_threads: int = 8,
         io_threads: int = 2,
+        read_threads: int = 4,
         writer: str = "auto",
         staging_budget_bytes: int | None = None,
         over_budget: str = "sync",
@@ -142,6 +144,7 @@ class Checkpointer:
         self.spool_dir = spool_dir
         self.upload_threads = upload_threads
         self.io_threads = io_threads
+        self.read_threads = read_threads
         self.writer = writer
         self.staging_budget_bytes = staging_budget_bytes
         self.over_budget = over_budget
@@ -282,7 +285,7 @@ class Checkpointer:
             with translate_os_error(local_work):
                 os.makedirs(os.path.join(local_work, MODEL_DIR), exist_ok=True)
             if rank == 0 and not storage.supports_rename and storage.list_dir(final):
-                self._delete_now(storage, final)  # leftovers of an earlier try at this step
+                self.remove(final)  # leftovers of an earlier try at this step
 
         written: dict[str, FileEntry] = {}
         extra: dict[str, Any] = {}
@@ -305,17 +308,17 @@ class Checkpointer:
             return mine
 
         try:
-            _agree(prepare, step, pg)
+            agree(prepare, step, pg)
             stage = "writing tensors"
-            _agree(write_tensors, step, pg)
+            agree(write_tensors, step, pg)
             stage = "writing trainer state and uploading" if not storage.supports_rename else "writing trainer state"
-            for part in _agree(finish_own_files, step, pg):
+            for part in agree(finish_own_files, step, pg):
                 files.update(part)
             stage = "publishing"
             record = CommitRecord(step=step, ephemeral=ephemeral, world_size=world, files=files, extra=extra)
-            _agree(lambda: self._publish(storage, local_work, final, record) if rank == 0 else None, step, pg)
+            agree(lambda: self._publish(storage, local_work, final, record) if rank == 0 else None, step, pg)
         except (Exception, CheckpointException) as raw:
-            exc = _unwrap(raw)
+            exc = unwrap(raw)
             if isinstance(exc, CheckpointSaveError):
                 self._discard(storage, local_work, final if rank == 0 and stage != "preparing" else None)
                 raise exc from raw  # another rank failed: its message already says where
@@ -389,7 +392,7 @@ class Checkpointer:
             storage.write_bytes(os.path.join(local_work, COMMIT_RECORD), record.to_json())
             if os.path.exists(storage.local_path(final) or final):
                 # A leftover (incomplete, or an older save of the same step): invalidate, move away, delete.
-                self._delete_now(storage, final)
+                self.remove(final)
             storage.rename_dir(local_work, final)
             return
         # Every rank has uploaded its own files by now; the record goes last, create-only.
@@ -410,60 +413,16 @@ class Checkpointer:
 
     def read_record(self, path: str) -> CommitRecord:
         """The commit record of the checkpoint at ``path``; CheckpointNotFoundError when there is none."""
-        storage = storage_for(path)
-        try:
-            data = storage.read_bytes(storage.join(path, COMMIT_RECORD))
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"no complete checkpoint at {path} (its commit record {COMMIT_RECORD} is missing); "
-                "pass a step folder listed as complete by `ckptkeeper ls`"
-            ) from None
-        return CommitRecord.from_json(data, storage.join(path, COMMIT_RECORD))
-
-    def _problem(self, path: str) -> tuple[CommitRecord | None, str | None]:
-        try:
-            record = self.read_record(path)
-        except CheckpointNotFoundError:
-            return None, "no commit record"
-        except CorruptCheckpointError as exc:
-            return None, str(exc)
-        storage = storage_for(path)
-        sizes = {f.relpath: f.size for f in storage.walk(path)}
-        for rel, entry in record.files.items():
-            if rel not in sizes:
-                return record, f"missing file {rel}"
-            if sizes[rel] != entry.bytes:
-                return record, f"{rel} has {sizes[rel]} bytes, the commit record says {entry.bytes}"
-        return record, None
+        return discovery.read_record(path)
 
     def dir_is_checkpoint(self, path: str) -> bool:
         """Whether ``path`` holds a complete checkpoint (record present, every listed file at its size)."""
-        record, problem = self._problem(path)
+        record, problem, _ = discovery.inspect(path)
         return record is not None and problem is None
 
     def list_checkpoints(self, save_folder: str) -> list[CheckpointInfo]:
         """Every ``step{N}`` folder under ``save_folder``, complete or not, by step."""
-        storage = storage_for(save_folder)
-        out = []
-        for name in storage.list_dir(save_folder):
-            step = parse_step(name)
-            if step is None:
-                continue
-            path = storage.join(save_folder, name)
-            record, problem = self._problem(path)
-            size = sum(f.size for f in storage.walk(path))
-            out.append(
-                CheckpointInfo(
-                    step=step,
-                    path=path,
-                    complete=record is not None and problem is None,
-                    ephemeral=record.ephemeral if record else None,
-                    bytes=size,
-                    created_unix=record.created_unix if record else None,
-                    problem=problem,
-                )
-            )
-        return sorted(out, key=lambda i: i.step)
+        return discovery.list_checkpoints(save_folder)
 
     def find_checkpoints(self, save_folder: str) -> list[tuple[int, str]]:
         """(step, path) of every complete checkpoint under ``save_folder``, oldest first."""
@@ -476,25 +435,7 @@ class Checkpointer:
 
     def verify(self, path: str, checksums: bool = True) -> CommitRecord:
         """Check every file of a checkpoint against its commit record; raises CorruptCheckpointError."""
-        record, problem = self._problem(path)
-        if record is None:
-            self.read_record(path)  # raises the precise error
-        if problem is not None:
-            raise CorruptCheckpointError(
-                f"checkpoint {path} is corrupt: {problem}; load an earlier checkpoint (resume does this "
-                "automatically) or restore this one from a copy"
-            )
-        assert record is not None
-        local = storage_for(path).local_path(path)
-        if checksums and local is not None:
-            for rel, entry in record.files.items():
-                _, digest = hash_file(os.path.join(local, rel))
-                if digest != entry.xxh3_64:
-                    raise CorruptCheckpointError(
-                        f"checkpoint {path} is corrupt: {rel} has checksum {digest}, the commit record says "
-                        f"{entry.xxh3_64}; load an earlier checkpoint or restore this one from a copy"
-                    )
-        return record
+        return discovery.verify(path, checksums)
 
     # ------------------------------------------------------------------ loading
 
@@ -514,7 +455,7 @@ class Checkpointer:
                 # Each rank downloads and verifies what it loads; all ranks agree before loading.
                 spool = tempfile.mkdtemp(prefix="ckptkeeper-load-", dir=self.spool_dir)
                 where = spool
-                record = _agree(lambda: self._download(storage, path, where), None, pg, _load_error)[rank]
+                record = agree(lambda: self._download(storage, path, where), None, pg, load_error)[rank]
                 local = spool
             else:
                 # One filesystem: rank 0 verifies every file, the others take its verdict.
@@ -526,7 +467,7 @@ class Checkpointer:
                         return self.verify(path, checksums=whole)
                     return self.read_record(path)
 
-                record = _agree(check, None, pg, _load_error)[rank]
+                record = agree(check, None, pg, load_error)[rank]
             payload = self._read_train_state(local, rank, record)
             with open(os.path.join(local, MODEL_DIR, ".metadata"), "rb") as f:
                 safe_load_metadata(f.read())  # refuses a tampered pickle before DCP opens it
@@ -541,7 +482,7 @@ class Checkpointer:
                         tensors,
                         segments,
                         verify=self.verify_checksums,
-                        threads=self.io_threads,
+                        threads=self.read_threads,
                     )
                 else:
                     with _quiet_dcp():
@@ -552,7 +493,7 @@ class Checkpointer:
                             no_dist=D.get_world_size(self.process_group) == 1,
                         )
             except (Exception, CheckpointException) as raw:
-                exc = _unwrap(raw)
+                exc = unwrap(raw)
                 if isinstance(exc, CheckpointError):
                     raise exc from raw
                 raise CheckpointError(
@@ -635,9 +576,6 @@ class Checkpointer:
         else:
             run_in_background(delete)
 
-    def _delete_now(self, storage: Storage, path: str) -> None:
-        self.remove(path)
-
     def clean_scratch(self, save_folder: str) -> list[str]:
         """Delete leftovers of interrupted saves and removals (``.tmp-*``, ``.trash-*``); returns them."""
         storage = storage_for(save_folder)
@@ -678,51 +616,6 @@ def _written_by(rel: str, rank: int) -> bool:
     return False
 
 
-def _save_error(rank: int, kind: str, msg: str, step: int | None) -> BaseException:
-    return CheckpointSaveError(f"step {step} failed on rank {rank}: {msg}")
-
-
-def _load_error(rank: int, kind: str, msg: str, step: int | None) -> BaseException:
-    cls = {
-        "CheckpointNotFoundError": CheckpointNotFoundError,
-        "UnsafeCheckpointError": UnsafeCheckpointError,
-        "CorruptCheckpointError": CorruptCheckpointError,
-    }.get(kind, CheckpointError)
-    return cls(f"on rank {rank}: {msg}")
-
-
-def _agree(
-    fn: Callable[[], T],
-    step: int | None,
-    group: Any,
-    make_error: Callable[[int, str, str, int | None], BaseException] = _save_error,
-) -> list[T]:
-    """Run ``fn`` on every rank, then exchange outcomes so that every rank fails together.
-
-    Every rank enters exactly one collective per call whatever happened locally, so a failure on
-    one rank can never leave the others waiting in a collective it skipped. In one process this
-    is just ``[fn()]`` and the error keeps its type.
-    """
-    result: T | None = None
-    error: BaseException | None = None
-    try:
-        result = fn()
-    except (Exception, CheckpointException) as exc:
-        error = exc
-    if D.get_world_size(group) == 1:
-        if error is not None:
-            raise error
-        return [result]  # type: ignore[list-item]
-    failure = None if error is None else (type(_unwrap(error)).__name__, str(_unwrap(error)))
-    outcomes = D.all_gather_object((failure, None if error is not None else result), group=group)
-    if error is not None:
-        raise error
-    for r, (fail, _) in enumerate(outcomes):
-        if fail is not None:
-            raise make_error(r, fail[0], fail[1], step)
-    return cast(list[T], [res for _, res in outcomes])
-
-
 def _free_bytes(path: str) -> int:
     try:
         st = os.statvfs(path)
@@ -733,14 +626,6 @@ def _free_bytes(path: str) -> int:
 
 def _tensor_bytes(tree: Mapping[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for _, t in flatten_tensors(tree))
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    # DCP wraps each rank's failure in a CheckpointException (a BaseException); find the real one.
-    while isinstance(exc, CheckpointException) and exc.failures:
-        inner = next(iter(exc.failures.values()))
-        exc = inner[0] if isinstance(inner, tuple) else inner
-    return exc
 
 
 def _last_line(exc: BaseException) -> str:
