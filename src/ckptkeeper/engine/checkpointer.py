@@ -169,8 +169,7 @@ class Checkpointer:
         self.wait()
         tensors, meta = state.capture()
         payload = self._train_payload(step, train_state, meta)
-        result = self._write(save_folder, step, tensors, payload, ephemeral, t0)
-        return SaveResult(result.step, result.path, ephemeral, result.bytes, result.durable_s, result.durable_s)
+        return self._write(save_folder, step, tensors, payload, ephemeral, t0)
 
     def save_async(
         self,
