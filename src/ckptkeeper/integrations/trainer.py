@@ -313,16 +313,19 @@ class Trainer:
                 "no checkpoint in %s could be loaded; starting from %s", self.save_folder, self.load_path or "scratch"
             )
         if self.load_path is not None:
-            path = self.load_path
-            if not self.checkpointer.dir_is_checkpoint(path):
-                latest = self.checkpointer.latest_checkpoint(path)
-                if latest is None:
-                    raise CheckpointNotFoundError(
-                        f"load_path {path} holds no complete checkpoint; pass a step folder or a save folder "
-                        "that `ckptkeeper ls` shows as complete"
-                    )
-                path = latest
-            self.load_checkpoint(path)
+            # Only rank 0 lists (object stores bill and throttle listings); the others take its answer.
+            resolved: str | None = None
+            if D.get_rank() == 0:
+                resolved = self.load_path
+                if not self.checkpointer.dir_is_checkpoint(resolved):
+                    resolved = self.checkpointer.latest_checkpoint(resolved)
+            resolved = D.broadcast_object(resolved)
+            if resolved is None:
+                raise CheckpointNotFoundError(
+                    f"load_path {self.load_path} holds no complete checkpoint; pass a step folder or a save "
+                    "folder that `ckptkeeper ls` shows as complete"
+                )
+            self.load_checkpoint(resolved)
             return True
         return False
 
