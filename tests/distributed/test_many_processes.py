@@ -130,3 +130,16 @@ def test_sharded_async_round_trip_keeps_the_sharding(tmp_path: Path) -> None:
         assert o["value"]["equal"]
         assert o["value"]["staged_local_numel"] < o["value"]["full_numel"] * 3  # shards, not full copies
         assert o["value"]["placements"] == ["(Shard(dim=0),)"]
+
+
+@pytest.mark.parametrize("over_budget", ["error", "sync"])
+def test_a_staging_budget_exceeded_on_one_rank_is_decided_together(tmp_path: Path, over_budget: str) -> None:
+    out = run_ranks(2, workers.async_save_over_budget_on_one_rank, str(tmp_path / "run"), over_budget,
+                    out=tmp_path / "o", per_rank_env={1: {"CKPTKEEPER_STAGING_BUDGET": "16"}})  # fmt: skip
+    if over_budget == "error":
+        assert [o["type"] for o in out] == ["ConfigurationError", "ConfigurationError"], out
+        assert all("staging_budget_bytes" in o["error"] for o in out)
+        assert Checkpointer().find_checkpoints(str(tmp_path / "run")) == []
+    else:
+        assert all(o["ok"] for o in out), out
+        assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path / "run"))] == [1]

@@ -100,3 +100,12 @@ def sharded_round_trip(rank: int, folder: str) -> dict[str, Any]:
         "full_numel": sum(p.numel() for p in model.parameters()),
         "placements": sorted(placements),
     }
+
+
+def async_save_over_budget_on_one_rank(rank: int, folder: str, over_budget: str) -> str:
+    model, opt = _sharded()
+    ckpt = Checkpointer(over_budget=over_budget)  # the budget comes from this rank's environment
+    _, fut = ckpt.save_async(folder, 1, TrainingState(model, opt))
+    fut.result()
+    ckpt.close()
+    return "saved"

@@ -189,12 +189,20 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self.wait()
+        if D.is_distributed() and self.process_group is None:
+            # Background collectives must not share a queue with training's: a group of their own
+            # (every rank starts the same saves, so every rank creates it at the same call).
+            self.process_group = D.new_cpu_group()
         tensors, meta = state.capture()
         need = _tensor_bytes(tensors)
-        if self.staging_budget_bytes is not None and need > self.staging_budget_bytes:
+        over_here = self.staging_budget_bytes is not None and need > self.staging_budget_bytes
+        # All ranks take the same way (error, sync or async), or some would wait in a save the
+        # others never start.
+        if not D.all_agree(not over_here, group=self.process_group):
+            budget = self.staging_budget_bytes or 0
             msg = (
-                f"step {step}: an async save needs {need / 2**20:.1f} MiB of staging memory but the budget is "
-                f"{self.staging_budget_bytes / 2**20:.1f} MiB"
+                f"step {step}: an async save needs {need / 2**20:.1f} MiB of staging memory on some rank but the "
+                f"budget is {budget / 2**20:.1f} MiB"
             )
             if self.over_budget == "error":
                 raise ConfigurationError(
