@@ -143,3 +143,11 @@ def test_a_staging_budget_exceeded_on_one_rank_is_decided_together(tmp_path: Pat
     else:
         assert all(o["ok"] for o in out), out
         assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path / "run"))] == [1]
+
+
+def test_a_missing_bucket_stops_every_rank(tmp_path: Path, s3_root: str) -> None:
+    env = {k: os.environ[k] for k in os.environ if k.startswith(("AWS_", "CKPTKEEPER_"))}
+    out = run_ranks(2, workers.train_into, "s3://no-such-bucket-anywhere/run", out=tmp_path / "o", env=env)
+    for o in out:
+        assert o["type"] == "StorageAccessError", o
+        assert "does not exist" in o["error"]

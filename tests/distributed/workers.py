@@ -109,3 +109,12 @@ def async_save_over_budget_on_one_rank(rank: int, folder: str, over_budget: str)
     fut.result()
     ckpt.close()
     return "saved"
+
+
+def train_into(rank: int, folder: str) -> str:
+    model, opt = _sharded()
+    Trainer(
+        model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
+        max_steps=3, callbacks=[CheckpointerCallback(save_interval=2)],
+    ).fit()  # fmt: skip
+    return "trained"

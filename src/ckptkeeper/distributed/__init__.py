@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -26,6 +28,7 @@ __all__ = [
     "init_from_env",
     "is_distributed",
     "new_cpu_group",
+    "on_rank0",
     "shutdown",
     "shutdown_abruptly",
 ]
@@ -123,6 +126,31 @@ def shutdown() -> None:
     if is_distributed():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def on_rank0(fn: Callable[[], T], group: Any = None) -> T:
+    """Run ``fn`` on rank 0 only; every rank returns its result, or raises its error.
+
+    For the specification's "rank 0 lists and decides" steps: a failure on rank 0 must reach the
+    other ranks, or they would wait for a broadcast that never comes.
+    """
+    if not is_distributed():
+        return fn()
+    payload: tuple[str, Any] | None = None
+    if get_rank(group) == 0:
+        try:
+            payload = ("ok", fn())
+        except Exception as exc:
+            try:
+                pickle.dumps(exc)
+                payload = ("error", exc)
+            except Exception:
+                payload = ("error", RuntimeError(f"{type(exc).__name__} on rank 0: {exc}"))
+    payload = broadcast_object(payload, group=group)
+    assert payload is not None
+    if payload[0] == "error":
+        raise payload[1]
+    return payload[1]  # type: ignore[no-any-return]
 
 
 def all_agree(flag: bool, group: Any = None) -> bool:

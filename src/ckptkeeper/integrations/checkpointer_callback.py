@@ -130,7 +130,7 @@ class CheckpointerCallback(Callback):
             return
         self._future = None
         fut.result()
-        if D.get_rank() == 0 and not self.trainer.checkpointer.dir_is_checkpoint(self._latest_checkpoint_path):
+        if not D.on_rank0(lambda: self.trainer.checkpointer.dir_is_checkpoint(self._latest_checkpoint_path)):
             raise CheckpointSaveError(
                 f"the save of step {self._latest_checkpoint_step} finished but {self._latest_checkpoint_path} "
                 "is not a complete checkpoint"
@@ -192,14 +192,15 @@ class CheckpointerCallback(Callback):
 
         if self.policy.remove == RemovalStrategy.never:
             return
-        found: list[str] = []
-        if D.get_rank() == 0:
+
+        def discover() -> list[str]:
             try:
                 existing = checkpointer.find_checkpoints(self.trainer.save_folder)
             except FileNotFoundError:
                 existing = []
-            found = removable_from_earlier_runs(self.policy, existing, self.step)
-        found = D.broadcast_object(found)
+            return removable_from_earlier_runs(self.policy, existing, self.step)
+
+        found = D.on_rank0(discover)
         self._book.adopt_found(found)
         for path in found:
             log.info("found earlier checkpoint %s; it is removed once the next ephemeral checkpoint is saved", path)

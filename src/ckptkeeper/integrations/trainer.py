@@ -298,10 +298,7 @@ class Trainer:
         A checkpoint that fails verification is skipped with a warning and the next older one is
         tried; a corrupt ``load_path`` (explicitly asked for) raises.
         """
-        candidates: list[str] = []
-        if D.get_rank() == 0:
-            candidates = [p for _, p in reversed(self.checkpointer.find_checkpoints(self.save_folder))]
-        candidates = D.broadcast_object(candidates)
+        candidates = D.on_rank0(lambda: [p for _, p in reversed(self.checkpointer.find_checkpoints(self.save_folder))])
         for path in candidates:
             try:
                 self.load_checkpoint(path)
@@ -314,12 +311,10 @@ class Trainer:
             )
         if self.load_path is not None:
             # Only rank 0 lists (object stores bill and throttle listings); the others take its answer.
-            resolved: str | None = None
-            if D.get_rank() == 0:
-                resolved = self.load_path
-                if not self.checkpointer.dir_is_checkpoint(resolved):
-                    resolved = self.checkpointer.latest_checkpoint(resolved)
-            resolved = D.broadcast_object(resolved)
+            def resolve(path: str) -> str | None:
+                return path if self.checkpointer.dir_is_checkpoint(path) else self.checkpointer.latest_checkpoint(path)
+
+            resolved = D.on_rank0(lambda: resolve(self.load_path or ""))
             if resolved is None:
                 raise CheckpointNotFoundError(
                     f"load_path {self.load_path} holds no complete checkpoint; pass a step folder or a save "
@@ -389,10 +384,12 @@ class Trainer:
 
     def fit(self) -> None:
         """Resume if possible, then train until ``max_steps``, calling every hook."""
-        if D.get_rank() == 0:
+
+        def prepare_folder() -> None:
             storage_for(self.save_folder).check_access(self.save_folder)
             self.checkpointer.clean_scratch(self.save_folder)
-        D.barrier()
+
+        D.on_rank0(prepare_folder)
         self.maybe_load_checkpoint()
         self.start_step = self.global_step
         if self.checkpoint_loaded and self.global_step >= self.max_steps:
