@@ -50,8 +50,12 @@ def run_ranks(
     env: dict[str, str] | None = None,
     per_rank_env: dict[int, dict[str, str]] | None = None,
     timeout: float = 180,
+    expect_dead: frozenset[int] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """Run ``fn(rank, *args)`` on ``world`` spawned processes; returns each rank's outcome."""
+    """Run ``fn(rank, *args)`` on ``world`` spawned processes; returns each rank's outcome.
+
+    Ranks in ``expect_dead`` are allowed to vanish without a result (their outcome reads ``dead``).
+    """
     out.mkdir(parents=True, exist_ok=True)
     full_env = dict(env or {})
     for r, e in (per_rank_env or {}).items():
@@ -67,11 +71,21 @@ def run_ranks(
 
     deadline = time.monotonic() + timeout
     try:
-        while not ctx.join(timeout=1):
+        while any(p.is_alive() for p in ctx.processes):
             if time.monotonic() > deadline:
                 raise AssertionError(f"ranks still running after {timeout}s: a hang")
+            time.sleep(0.2)
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    outcomes = []
+    for r in range(world):
+        result = out / f"rank{r}.json"
+        if not result.exists():
+            code = ctx.processes[r].exitcode
+            assert r in expect_dead, f"rank {r} died (exit code {code}) without reporting"
+            outcomes.append({"ok": False, "type": "dead", "exitcode": code})
+            continue
+        outcomes.append(json.loads(result.read_text()))
+    return outcomes

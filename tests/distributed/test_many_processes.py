@@ -151,3 +151,12 @@ def test_a_missing_bucket_stops_every_rank(tmp_path: Path, s3_root: str) -> None
     for o in out:
         assert o["type"] == "StorageAccessError", o
         assert "does not exist" in o["error"]
+
+
+def test_a_rank_dying_mid_save_is_an_error_on_the_others_not_a_hang(tmp_path: Path) -> None:
+    out = run_ranks(2, workers.train_while_a_rank_dies, str(tmp_path / "run"), out=tmp_path / "o",
+                    expect_dead=frozenset({1}), timeout=120)  # fmt: skip
+    assert out[1]["type"] == "dead" and out[1]["exitcode"] == 9
+    assert not out[0]["ok"] and out[0]["type"] == "CheckpointSaveError", out[0]
+    assert "step 4" in out[0]["error"]
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path / "run"))] == [0]

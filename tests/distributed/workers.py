@@ -118,3 +118,28 @@ def train_into(rank: int, folder: str) -> str:
         max_steps=3, callbacks=[CheckpointerCallback(save_interval=2)],
     ).fit()  # fmt: skip
     return "trained"
+
+
+class DyingCheckpointer(Checkpointer):
+    """Rank ``dies`` vanishes (os._exit) in the middle of the save of ``step``."""
+
+    def __init__(self, dies: int, step: int) -> None:
+        super().__init__()
+        self.dies, self.step = dies, step
+
+    def _hash_own_files(
+        self, local_work: str, rank: int, world: int, skip: set[str] | None = None
+    ) -> dict[str, FileEntry]:
+        if rank == self.dies and f"step{self.step}-" in os.path.basename(local_work):
+            os._exit(9)
+        return super()._hash_own_files(local_work, rank, world, skip)
+
+
+def train_while_a_rank_dies(rank: int, folder: str) -> str:
+    model, opt = _sharded()
+    cb = CheckpointerCallback(save_interval=4, save_async=False)
+    Trainer(
+        model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
+        max_steps=9, callbacks=[cb], checkpointer=DyingCheckpointer(dies=1, step=4),
+    ).fit()  # fmt: skip
+    return "finished"
