@@ -24,17 +24,19 @@ class RecordingCheckpointer(Checkpointer):
         super().remove(path, run_in_background)
 
 
-class FailingCheckpointer(Checkpointer):
-    """Fails on one rank at one step, while hashing its own files (mid-save)."""
+class FaultyCheckpointer(Checkpointer):
+    """On one rank, at one step, mid-save (while hashing its own files): fails, or vanishes."""
 
-    def __init__(self, fail_rank: int, fail_step: int) -> None:
+    def __init__(self, rank: int, step: int, vanish: bool = False) -> None:
         super().__init__()
-        self.fail_rank, self.fail_step = fail_rank, fail_step
+        self.fault_rank, self.fault_step, self.vanish = rank, step, vanish
 
     def _hash_own_files(
         self, local_work: str, rank: int, world: int, skip: set[str] | None = None
     ) -> dict[str, FileEntry]:
-        if rank == self.fail_rank and f"step{self.fail_step}-" in os.path.basename(local_work):
+        if rank == self.fault_rank and f"step{self.fault_step}-" in os.path.basename(local_work):
+            if self.vanish:
+                os._exit(9)
             raise OSError(5, "Input/output error", os.path.join(local_work, "model_and_optim", f"__{rank}_0.distcp"))
         return super()._hash_own_files(local_work, rank, world, skip)
 
@@ -72,7 +74,7 @@ def train_with_a_failing_rank(rank: int, folder: str, save_async: bool) -> str:
     cb = CheckpointerCallback(save_interval=4, save_async=save_async)
     Trainer(
         model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
-        max_steps=9, callbacks=[cb], checkpointer=FailingCheckpointer(fail_rank=1, fail_step=4),
+        max_steps=9, callbacks=[cb], checkpointer=FaultyCheckpointer(rank=1, step=4),
     ).fit()  # fmt: skip
     return "finished"
 
@@ -120,26 +122,11 @@ def train_into(rank: int, folder: str) -> str:
     return "trained"
 
 
-class DyingCheckpointer(Checkpointer):
-    """Rank ``dies`` vanishes (os._exit) in the middle of the save of ``step``."""
-
-    def __init__(self, dies: int, step: int) -> None:
-        super().__init__()
-        self.dies, self.step = dies, step
-
-    def _hash_own_files(
-        self, local_work: str, rank: int, world: int, skip: set[str] | None = None
-    ) -> dict[str, FileEntry]:
-        if rank == self.dies and f"step{self.step}-" in os.path.basename(local_work):
-            os._exit(9)
-        return super()._hash_own_files(local_work, rank, world, skip)
-
-
 def train_while_a_rank_dies(rank: int, folder: str) -> str:
     model, opt = _sharded()
     cb = CheckpointerCallback(save_interval=4, save_async=False)
     Trainer(
         model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
-        max_steps=9, callbacks=[cb], checkpointer=DyingCheckpointer(dies=1, step=4),
+        max_steps=9, callbacks=[cb], checkpointer=FaultyCheckpointer(rank=1, step=4, vanish=True),
     ).fit()  # fmt: skip
     return "finished"
