@@ -449,8 +449,10 @@ class Checkpointer:
     def load(self, path: str, state: TrainingState) -> dict[str, Any]:
         """Load the checkpoint at ``path`` into ``state``; returns this rank's trainer state.
 
-        Every file is checked against the commit record first (sizes always, checksums unless
-        ``verify_checksums=False``), so a corrupt checkpoint raises before the model is touched.
+        The commit record and every file's size are checked first. Checksums (unless
+        ``verify_checksums=False``) are checked before loading for files of DCP's writer, and while
+        reading straight into the tensors for files of the fast writer; a mismatch found then
+        raises after part of ``state`` was overwritten.
         """
         storage = storage_for(path)
         pg = self.process_group
@@ -467,12 +469,13 @@ class Checkpointer:
             else:
                 # One filesystem: rank 0 verifies every file, the others take its verdict.
                 def check() -> CommitRecord:
-                    if rank == 0:
-                        record = self.read_record(path)
-                        # Fast-path files are checked segment by segment while they are read.
-                        whole = self.verify_checksums and "layout" not in record.extra
-                        return self.verify(path, checksums=whole)
-                    return self.read_record(path)
+                    if rank != 0:
+                        return self.read_record(path)
+                    record = self.verify(path, checksums=False)
+                    # Fast-path files are checked segment by segment while they are read.
+                    if self.verify_checksums and "layout" not in record.extra:
+                        discovery.verify_checksums(path, record)
+                    return record
 
                 record = agree(check, None, pg, load_error)[rank]
             payload = self._read_train_state(local, rank, record)
@@ -540,12 +543,7 @@ class Checkpointer:
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"checkpoint {path} is corrupt: missing file {rel}") from None
             size, digest = hash_file(dst)
-            entry = record.files[rel]
-            if size != entry.bytes or (self.verify_checksums and digest != entry.xxh3_64):
-                raise CorruptCheckpointError(
-                    f"checkpoint {path} is corrupt: {rel} does not match its commit record "
-                    f"({size} bytes, {digest}; expected {entry.bytes}, {entry.xxh3_64})"
-                )
+            discovery.check_file(path, rel, record.files[rel], size, digest if self.verify_checksums else None)
 
         with ThreadPoolExecutor(max_workers=self.upload_threads) as pool:
             list(pool.map(fetch, names))

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage import storage_for
 from ..storage.layout import COMMIT_RECORD, parse_step
-from .record import CommitRecord, hash_file
+from .record import CommitRecord, FileEntry, hash_file
 
-__all__ = ["CheckpointInfo", "inspect", "list_checkpoints", "read_record", "verify"]
+__all__ = ["CheckpointInfo", "check_file", "inspect", "list_checkpoints", "read_record", "verify", "verify_checksums"]
 
 
 @dataclass(frozen=True)
@@ -103,20 +103,33 @@ def verify(path: str, checksums: bool = True) -> CommitRecord:
             "automatically) or restore this one from a copy"
         )
     assert record is not None
-    if not checksums:
-        return record
+    if checksums:
+        verify_checksums(path, record)
+    return record
+
+
+def verify_checksums(path: str, record: CommitRecord) -> None:
+    """Read every file the record lists and check its checksum (sizes are :func:`inspect`'s job)."""
     storage = storage_for(path)
     local = storage.local_path(path)
     for rel, entry in record.files.items():
         if local is not None:
-            _, digest = hash_file(os.path.join(local, rel))
+            size, digest = hash_file(os.path.join(local, rel))
         else:
             with tempfile.NamedTemporaryFile(prefix="ckptkeeper-verify-") as tmp:
                 storage.download(storage.join(path, rel), tmp.name)
-                _, digest = hash_file(tmp.name)
-        if digest != entry.xxh3_64:
-            raise CorruptCheckpointError(
-                f"checkpoint {path} is corrupt: {rel} has checksum {digest}, the commit record says "
-                f"{entry.xxh3_64}; load an earlier checkpoint or restore this one from a copy"
-            )
-    return record
+                size, digest = hash_file(tmp.name)
+        check_file(path, rel, entry, size, digest)
+
+
+def check_file(path: str, rel: str, entry: FileEntry, size: int, digest: str | None) -> None:
+    """Raise CorruptCheckpointError when a file's size (or, given, checksum) differs from its record entry."""
+    if size != entry.bytes:
+        problem = f"{rel} has {size} bytes, the commit record says {entry.bytes}"
+    elif digest is not None and digest != entry.xxh3_64:
+        problem = f"{rel} has checksum {digest}, the commit record says {entry.xxh3_64}"
+    else:
+        return
+    raise CorruptCheckpointError(
+        f"checkpoint {path} is corrupt: {problem}; load an earlier checkpoint or restore this one from a copy"
+    )
