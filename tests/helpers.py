@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,3 +96,22 @@ def events_of(cb: CheckpointerCallback) -> list[dict[str, Any]]:
         else:
             out.append({"event": "remove", "step": e.step, "at_step": e.at_step})
     return out
+
+
+def forge(folder: Path, rel: str | None = None, data: bytes | None = None, **record_changes: Any) -> None:
+    """Do what an attacker with write access can: replace a file and rewrite the commit record so
+    that sizes, checksums and the record's own checksum all match again."""
+    from ckptkeeper.engine.record import CommitRecord, FileEntry, digest_bytes
+    from ckptkeeper.storage.layout import COMMIT_RECORD
+
+    rec = CommitRecord.from_json((folder / COMMIT_RECORD).read_bytes(), "forge")
+    files = dict(rec.files)
+    if rel is not None and data is not None:
+        target = folder / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        files[rel] = FileEntry(len(data), digest_bytes(data))
+    fields = {"step": rec.step, "ephemeral": rec.ephemeral, "world_size": rec.world_size, "files": files,
+              "created_unix": rec.created_unix, "extra": dict(rec.extra)}  # fmt: skip
+    fields.update(record_changes)
+    (folder / COMMIT_RECORD).write_bytes(CommitRecord(**fields).to_json())

@@ -15,7 +15,8 @@ PUBLIC = {
     "Callback", "CheckpointError", "CheckpointEvent", "CheckpointInfo", "CheckpointNotFoundError",
     "CheckpointPolicyConfig", "CheckpointSaveError", "Checkpointer", "CheckpointerCallback", "CkptkeeperError",
     "CommitRecord", "ConfigurationError", "CorruptCheckpointError", "DiskFullError", "RemovalStrategy",
-    "SaveResult", "Stateful", "Storage", "StorageAccessError", "StorageError", "Trainer", "TrainingState",
+    "SaveFolderInUseError", "SaveFolderLease", "SaveResult", "Stateful", "Storage", "StorageAccessError",
+    "StorageError", "Trainer", "TrainingState",
     "UnsafeCheckpointError", "__version__", "state_digest", "storage_for",
 }  # fmt: skip
 

@@ -9,7 +9,16 @@ Quick use::
             max_steps=10_000, callbacks=[cb]).fit()
 """
 
-from .engine import Checkpointer, CheckpointInfo, CommitRecord, SaveResult, Stateful, TrainingState, state_digest
+from .engine import (
+    Checkpointer,
+    CheckpointInfo,
+    CommitRecord,
+    SaveFolderLease,
+    SaveResult,
+    Stateful,
+    TrainingState,
+    state_digest,
+)
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -18,6 +27,7 @@ from .errors import (
     ConfigurationError,
     CorruptCheckpointError,
     DiskFullError,
+    SaveFolderInUseError,
     StorageAccessError,
     StorageError,
     UnsafeCheckpointError,
@@ -44,6 +54,8 @@ __all__ = [
     "CorruptCheckpointError",
     "DiskFullError",
     "RemovalStrategy",
+    "SaveFolderInUseError",
+    "SaveFolderLease",
     "SaveResult",
     "Stateful",
     "Storage",

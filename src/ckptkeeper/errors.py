@@ -15,6 +15,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptCheckpointError",
     "DiskFullError",
+    "SaveFolderInUseError",
     "StorageAccessError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -59,3 +60,7 @@ class StorageAccessError(StorageError):
 
 class DiskFullError(StorageError, OSError):
     """The target ran out of space; nothing already saved was touched."""
+
+
+class SaveFolderInUseError(StorageError):
+    """Another live run holds the save folder's writer lease; the message names it."""

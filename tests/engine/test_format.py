@@ -19,6 +19,7 @@ from ckptkeeper import (
     Checkpointer,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
     CorruptCheckpointError,
     DiskFullError,
     TrainingState,
@@ -26,6 +27,8 @@ from ckptkeeper import (
     state_digest,
 )
 from ckptkeeper.storage.layout import COMMIT_RECORD
+
+from ..helpers import forge
 
 
 def _state(seed: int = 0, width: int = 8) -> TrainingState:
@@ -43,7 +46,7 @@ def test_commit_record_lists_every_file_with_size_and_checksum(tmp_path: Path) -
     folder = tmp_path / "step7"
     assert res.path == str(folder)
     doc = json.loads((folder / COMMIT_RECORD).read_text())
-    assert doc["step"] == 7 and doc["ephemeral"] is True and doc["world_size"] == 1 and doc["version"] == 1
+    assert doc["step"] == 7 and doc["ephemeral"] is True and doc["world_size"] == 1 and doc["version"] == 2
     assert doc["checksum"] == "xxh3_64" and doc["created_unix"] > 0
     on_disk = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != COMMIT_RECORD}
     assert set(doc["files"]) == on_disk
@@ -103,19 +106,14 @@ def test_tampered_dcp_metadata_is_refused_not_executed(tmp_path: Path) -> None:
         def __reduce__(self) -> tuple[object, tuple[str]]:
             return (os.system, (f"touch {marker}",))
 
-    meta = tmp_path / "step1" / "model_and_optim" / ".metadata"
-    data = pickle.dumps(Evil())
-    meta.write_bytes(data)
     # Keep the commit record consistent so only the pickle guard stands between us and os.system.
-    rec = json.loads((tmp_path / "step1" / COMMIT_RECORD).read_text())
-    rec["files"]["model_and_optim/.metadata"]["bytes"] = len(data)
-    (tmp_path / "step1" / COMMIT_RECORD).write_text(json.dumps(rec))
+    forge(tmp_path / "step1", "model_and_optim/.metadata", pickle.dumps(Evil()))
     with pytest.raises(UnsafeCheckpointError, match=r"posix\.system|os\.system"):
         ckpt.load(str(tmp_path / "step1"), _state())
     assert not marker.exists()
 
 
-def test_incomplete_step_folder_is_ignored_and_replaced(tmp_path: Path) -> None:
+def test_incomplete_step_folder_is_ignored_and_never_overwritten(tmp_path: Path) -> None:
     ckpt = Checkpointer()
     ckpt.save(str(tmp_path), 2, _state())
     leftover = tmp_path / "step4"
@@ -128,9 +126,13 @@ def test_incomplete_step_folder_is_ignored_and_replaced(tmp_path: Path) -> None:
     assert infos[4].complete is False and infos[4].problem == "no commit record"
     with pytest.raises(CheckpointNotFoundError, match="commit record"):
         ckpt.load(str(leftover), _state())
-    ckpt.save(str(tmp_path), 4, _state())
-    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [2, 4]
-    assert (leftover / "model_and_optim" / "__0_0.distcp").read_bytes() != b"half a write"
+    # ckptkeeper never leaves a step folder without a record (saves are renamed into place with
+    # their record), so this one is somebody else's: a save of step 4 refuses to touch it.
+    with pytest.raises(CheckpointSaveError, match="not a ckptkeeper checkpoint"):
+        ckpt.save(str(tmp_path), 4, _state())
+    assert (leftover / "model_and_optim" / "__0_0.distcp").read_bytes() == b"half a write"
+    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [2]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
 def _saved(tmp_path: Path) -> tuple[Checkpointer, Path, dict[str, dict[str, object]]]:
@@ -216,9 +218,10 @@ def test_removal_invalidates_first_and_cleans_scratch(tmp_path: Path) -> None:
     deferred[0]()
     assert not trash[0].exists()
     (tmp_path / ".tmp-step3-deadbeef").mkdir()
-    (tmp_path / ".trash-step0-cafe").mkdir()
+    (tmp_path / ".trash-step0-cafe0123").mkdir()
+    (tmp_path / ".trash-step0-cafe").mkdir()  # not a name ckptkeeper writes: somebody else's
     gone = ckpt.clean_scratch(str(tmp_path))
-    assert len(gone) == 2 and sorted(os.listdir(tmp_path)) == ["step2"]
+    assert len(gone) == 2 and sorted(os.listdir(tmp_path)) == [".trash-step0-cafe", "step2"]
 
 
 @pytest.mark.parametrize("bad", ["/", "s3://bucket", "s3://bucket/", "runs/not-a-step"])

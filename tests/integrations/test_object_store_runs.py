@@ -23,6 +23,7 @@ from ckptkeeper import (
     state_digest,
     storage_for,
 )
+from ckptkeeper.storage.layout import COMMIT_RECORD
 
 from ..conftest import make_bucket, s3_settings
 from ..helpers import builtin_trainer, run_to_end
@@ -161,18 +162,31 @@ def test_store_failing_mid_multipart_aborts_the_upload(
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def test_orphan_multipart_uploads_and_incomplete_prefixes_are_cleaned(s3_root: str) -> None:
+def test_orphan_uploads_and_incomplete_prefixes_are_cleaned_only_where_announced(s3_root: str) -> None:
     import boto3
+
+    from ckptkeeper.engine.deleter import write_intent
 
     bucket = s3_root.split("/")[2]
     client = boto3.client("s3")
+    # A save killed mid-upload: its intent announced both files, one upload never completed.
+    write_intent(storage_for(s3_root), f"{s3_root}/step4", 0,
+                 ["model_and_optim/__0_0.distcp", "train/rank0.json"], "0123abcd")  # fmt: skip
     client.create_multipart_upload(Bucket=bucket, Key="run/step4/model_and_optim/__0_0.distcp")
     client.put_object(Bucket=bucket, Key="run/step4/train/rank0.json", Body=b"{}")
+    # Somebody else's objects and upload, named like ours but never announced by ckptkeeper.
+    client.put_object(Bucket=bucket, Key="run/step4/notes.txt", Body=b"mine")
+    client.put_object(Bucket=bucket, Key="run/step6/train/rank0.json", Body=b"{}")
+    client.create_multipart_upload(Bucket=bucket, Key="run/step6/model_and_optim/__0_0.distcp")
     client.put_object(Bucket=bucket, Key="elsewhere/keep.txt", Body=b"keep")
     gone = Checkpointer().clean_scratch(s3_root)
     assert gone == [f"{s3_root}/step4"]
-    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
-    assert [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]] == ["elsewhere/keep.txt"]
+    assert [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == [
+        "run/step6/model_and_optim/__0_0.distcp"
+    ]
+    assert sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]) == [
+        "elsewhere/keep.txt", "run/step4/notes.txt", "run/step6/train/rank0.json",
+    ]  # fmt: skip
 
 
 def test_a_failed_remote_save_is_invisible(s3_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,6 +194,8 @@ def test_a_failed_remote_save_is_invisible(s3_root: str, monkeypatch: pytest.Mon
     real = type(storage).create_exclusive
 
     def refuse(self: Any, path: str, data: bytes) -> None:
+        if not path.endswith(COMMIT_RECORD):
+            return real(self, path, data)
         raise StorageError(f"simulated failure creating {path}")
 
     monkeypatch.setattr(type(storage), "create_exclusive", refuse)

@@ -1,6 +1,7 @@
 """Turning training state into checkpoint files and back: staging, writing, the commit protocol, loading."""
 
 from .checkpointer import Checkpointer, CheckpointInfo, SaveResult
+from .lease import SaveFolderLease
 from .record import CommitRecord, FileEntry
 from .staging import Stager
 from .state import Stateful, TrainingState, state_digest
@@ -10,6 +11,7 @@ __all__ = [
     "Checkpointer",
     "CommitRecord",
     "FileEntry",
+    "SaveFolderLease",
     "SaveResult",
     "Stager",
     "Stateful",

@@ -11,13 +11,13 @@ record first, so a half-deleted checkpoint is already invalid.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -44,19 +44,19 @@ from ..storage import Storage, storage_for
 from ..storage.layout import (
     COMMIT_RECORD,
     MODEL_DIR,
-    TMP_PREFIX,
-    TRASH_PREFIX,
-    parse_step,
+    scratch_name,
     step_dir_name,
     train_state_name,
 )
 from ..storage.local import translate_os_error
 from . import discovery
 from .agreement import agree, load_error, unwrap
+from .deleter import clean_leftover, clean_save_folder, new_spool, read_intents, remove_checkpoint, write_intent
 from .discovery import CheckpointInfo
-from .fastio import DATA_FILE, Segment, can_use_fast_path, read_fast, write_fast
+from .fastio import DATA_FILE, Segment, can_use_fast_path, load_order, parse_layout, read_fast, write_fast
+from .loader import Rollback, check_fit, read_metadata, read_train_state
 from .record import CommitRecord, FileEntry, hash_file
-from .safe_metadata import SafeFileSystemReader, safe_load_metadata
+from .safe_metadata import SafeFileSystemReader
 from .staging import Stager
 from .state import TrainingState, flatten_tensors
 
@@ -136,7 +136,12 @@ class Checkpointer:
             raise ConfigurationError(f"'over_budget' must be 'sync' or 'error', got {over_budget!r}")
         env_budget = os.environ.get("CKPTKEEPER_STAGING_BUDGET")
         if staging_budget_bytes is None and env_budget:
-            staging_budget_bytes = int(env_budget)
+            try:
+                staging_budget_bytes = int(env_budget)
+            except ValueError:
+                raise ConfigurationError(
+                    f"CKPTKEEPER_STAGING_BUDGET must be a whole number of bytes (e.g. 8000000000), got {env_budget!r}"
+                ) from None
         if staging_budget_bytes is not None and staging_budget_bytes < 0:
             raise ConfigurationError(f"'staging_budget_bytes' must be at least 0, got {staging_budget_bytes}")
         self.verify_checksums = verify_checksums
@@ -277,13 +282,13 @@ class Checkpointer:
         final = storage.join(save_folder, step_dir_name(step))
         pg = self.process_group
         rank, world = D.get_rank(pg), D.get_world_size(pg)
+        token = D.broadcast_object(uuid.uuid4().hex[:8], group=pg)
         if storage.supports_rename:
             # A shared filesystem: all ranks write into one temporary folder, renamed at commit.
-            work = storage.join(save_folder, f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}")
-            work = D.broadcast_object(work, group=pg)
+            work = storage.join(save_folder, scratch_name("tmp", step, token))
         else:
             # An object store: each rank spools its own files locally and uploads them itself.
-            work = tempfile.mkdtemp(prefix=f"ckptkeeper-{step_dir_name(step)}-", dir=self.spool_dir)
+            work = new_spool(self.spool_dir, "save")
         local_work = storage.local_path(work) or work
         files: dict[str, FileEntry] = {}
         stage = "preparing"
@@ -291,8 +296,10 @@ class Checkpointer:
         def prepare() -> None:
             with translate_os_error(local_work):
                 os.makedirs(os.path.join(local_work, MODEL_DIR), exist_ok=True)
-            if rank == 0 and not storage.supports_rename and storage.list_dir(final):
-                self.remove(final)  # leftovers of an earlier try at this step
+            if rank == 0:
+                # Local disks only check here (the old checkpoint stays until the new one is in
+                # place); object stores must clear the keys the new files will take.
+                self._clear_target(storage, final, check_only=storage.supports_rename)
 
         written: dict[str, FileEntry] = {}
         extra: dict[str, Any] = {}
@@ -311,6 +318,8 @@ class Checkpointer:
             mine = self._hash_own_files(local_work, rank, world, skip=set(written))
             mine.update(written)
             if not storage.supports_rename:
+                # The intent goes first: whatever is uploaded under final is announced as ours.
+                write_intent(storage, final, rank, sorted(mine), token)
                 self._upload(storage, local_work, final, sorted(mine))
             return mine
 
@@ -397,13 +406,38 @@ class Checkpointer:
     def _publish(self, storage: Storage, local_work: str, final: str, record: CommitRecord) -> None:
         if storage.supports_rename:
             storage.write_bytes(os.path.join(local_work, COMMIT_RECORD), record.to_json())
-            if os.path.exists(storage.local_path(final) or final):
-                # A leftover (incomplete, or an older save of the same step): invalidate, move away, delete.
-                self.remove(final)
+            self._clear_target(storage, final)
             storage.rename_dir(local_work, final)
             return
         # Every rank has uploaded its own files by now; the record goes last, create-only.
         storage.create_exclusive(storage.join(final, COMMIT_RECORD), record.to_json())
+
+    def _clear_target(self, storage: Storage, final: str, check_only: bool = False) -> None:
+        """Make room for a new save of this step, deleting only what is provably ckptkeeper's."""
+        local = storage.local_path(final)
+        if local is not None:
+            if not os.path.lexists(local):
+                return
+            if os.path.islink(local) or not os.path.isfile(os.path.join(local, COMMIT_RECORD)):
+                raise CheckpointSaveError(
+                    f"{local} already exists and is not a ckptkeeper checkpoint (no commit record); ckptkeeper "
+                    "does not overwrite what it did not write: move it out of the save folder"
+                )
+            if not check_only:
+                self.remove(final)  # an older save of the same step: invisible at once, deleted after
+            return
+        if not storage.list_dir(final):
+            return
+        if storage.exists(storage.join(final, COMMIT_RECORD)):
+            self.remove(final)
+            return
+        clean_leftover(storage, final)
+        if storage.list_dir(final) and not read_intents(storage, final)[1]:
+            left = [f.relpath for f in storage.walk(final)][:3]
+            raise CheckpointSaveError(
+                f"{final} holds objects ckptkeeper did not write ({', '.join(left)}); ckptkeeper does not "
+                "overwrite them: move them out of the save folder"
+            )
 
     @staticmethod
     def _discard(storage: Storage, local_work: str, final: str | None = None) -> None:
@@ -411,10 +445,9 @@ class Checkpointer:
             shutil.rmtree(local_work, ignore_errors=True)
         if final is not None and not storage.supports_rename:
             # Best effort: data objects already uploaded without a commit record are invisible
-            # anyway, and the next run removes whatever this cannot.
+            # anyway, and the next run removes (through their intents) whatever this cannot.
             with contextlib.suppress(Exception):
-                if not storage.exists(storage.join(final, COMMIT_RECORD)):
-                    storage.remove_tree(final)
+                clean_leftover(storage, final)
 
     # ------------------------------------------------------------------ discovery
 
@@ -449,11 +482,15 @@ class Checkpointer:
     def load(self, path: str, state: TrainingState) -> dict[str, Any]:
         """Load the checkpoint at ``path`` into ``state``; returns this rank's trainer state.
 
-        The commit record and every file's size are checked first. Checksums (unless
-        ``verify_checksums=False``) are checked before loading for files of DCP's writer, and while
-        reading straight into the tensors for files of the fast writer; a mismatch found then
-        raises after part of ``state`` was overwritten.
+        Nothing from the checkpoint is used before it is checked: the commit record first, then
+        every file's size, then each small file's checksum before it is decoded, then whether the
+        checkpoint fits ``state``. Tensors are read in place, each one backed up just before it is
+        overwritten; if anything fails (a checksum, a read, restoring optimizer or extra state),
+        ``state`` is put back exactly as it was and the error is raised. Errors are
+        :class:`CorruptCheckpointError` for a damaged checkpoint, plain :class:`CheckpointError`
+        when it is intact but of another model.
         """
+        self._settle()
         storage = storage_for(path)
         pg = self.process_group
         rank = D.get_rank(pg)
@@ -462,87 +499,135 @@ class Checkpointer:
         try:
             if local is None:
                 # Each rank downloads and verifies what it loads; all ranks agree before loading.
-                spool = tempfile.mkdtemp(prefix="ckptkeeper-load-", dir=self.spool_dir)
+                spool = new_spool(self.spool_dir, "load")
                 where = spool
                 record = agree(lambda: self._download(storage, path, where), None, pg, load_error)[rank]
                 local = spool
+                verified = True
             else:
-                # One filesystem: rank 0 verifies every file, the others take its verdict.
+                # One filesystem: rank 0 checks every file's size, the others take its verdict.
                 def check() -> CommitRecord:
                     if rank != 0:
                         return self.read_record(path)
-                    record = self.verify(path, checksums=False)
+                    record = discovery.verify(path, checksums=False, structure=False)
                     # Fast-path files are checked segment by segment while they are read.
                     if self.verify_checksums and "layout" not in record.extra:
                         discovery.verify_checksums(path, record)
                     return record
 
                 record = agree(check, None, pg, load_error)[rank]
-            payload = self._read_train_state(local, rank, record)
-            with open(os.path.join(local, MODEL_DIR, ".metadata"), "rb") as f:
-                safe_load_metadata(f.read())  # refuses a tampered pickle before DCP opens it
-            tensors, _ = state.capture()
-            layout = record.extra.get("layout", {}).get(f"{MODEL_DIR}/{DATA_FILE}")
-            fast = layout is not None and D.get_world_size(pg) == 1 and can_use_fast_path(tensors)
-            try:
-                if fast:
-                    segments = [Segment.from_json(row) for row in layout]
-                    read_fast(
-                        os.path.join(local, MODEL_DIR),
-                        tensors,
-                        segments,
-                        verify=self.verify_checksums,
-                        threads=self.read_threads,
-                    )
-                else:
-                    with _quiet_dcp():
-                        dcp_load(
-                            tensors,
-                            storage_reader=SafeFileSystemReader(os.path.join(local, MODEL_DIR)),
-                            process_group=self.process_group,
-                            no_dist=D.get_world_size(self.process_group) == 1,
-                        )
-            except (Exception, CheckpointException) as raw:
-                exc = unwrap(raw)
-                if isinstance(exc, CheckpointError):
-                    raise exc from raw
-                raise CheckpointError(
-                    f"checkpoint {path} does not fit this model/optimizer ({_last_line(exc)}); load it into the "
-                    "model it was saved from, or start a fresh save folder"
-                ) from exc
-            state.restore(tensors, payload.get("state_meta", {}))
+                verified = self.verify_checksums and "layout" not in record.extra
+            return self._load_verified(path, local, record, state, verified)
         finally:
             if spool is not None:
                 shutil.rmtree(spool, ignore_errors=True)
-        train_state: dict[str, Any] = payload.get("train_state", {})
-        return train_state
 
-    def _read_train_state(self, local: str, rank: int, record: CommitRecord) -> dict[str, Any]:
-        name = train_state_name(rank)
-        if name not in record.files:
-            # Loading at a larger world size: ranks without their own state take rank 0's.
+    def _load_verified(
+        self, path: str, local: str, record: CommitRecord, state: TrainingState, verified: bool
+    ) -> dict[str, Any]:
+        pg = self.process_group
+        rank, world = D.get_rank(pg), D.get_world_size(pg)
+        doc, borrowed = read_train_state(local, rank, record, path)
+        if borrowed:
             log.warning(
                 "checkpoint has no trainer state for rank %d (saved with %d ranks); using rank 0's",
                 rank,
                 record.world_size,
             )
-            name = train_state_name(0)
-        with open(os.path.join(local, name), "rb") as f:
-            doc: dict[str, Any] = json.loads(f.read())
-        return doc
+        metadata = read_metadata(local, record, path)
+        tensors, old_meta = state.capture()
+        same_dtypes = check_fit(tensors, metadata, path)
+        layout = record.extra.get("layout")
+        rows = layout.get(f"{MODEL_DIR}/{DATA_FILE}") if isinstance(layout, dict) else None
+        fast = rows is not None and world == 1 and same_dtypes and can_use_fast_path(tensors)
+        by_fqn = None
+        if fast:
+            try:
+                by_fqn = parse_layout(rows, record.files[f"{MODEL_DIR}/{DATA_FILE}"].bytes, metadata)
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CorruptCheckpointError(
+                    f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
+                ) from None
+        need = _tensor_bytes(tensors)
+        had_buffers = self._stager.nbytes > 0
+        guard: Rollback | None = None
+        if self.staging_budget_bytes is None or need <= self.staging_budget_bytes:
+            guard = Rollback(self._stager, tensors, load_order(tensors) if fast else None)
+        elif not verified:
+            # No memory for a backup: read every byte once to check it before anything is written.
+            log.info("the load's backup would exceed the staging budget; verifying %s before loading", path)
+            discovery.verify_checksums(local, record)
+        meta_touched = False
+        try:
+            if by_fqn is not None:
+                read_fast(
+                    os.path.join(local, MODEL_DIR),
+                    tensors,
+                    by_fqn,
+                    verify=self.verify_checksums,
+                    threads=self.read_threads,
+                    before_write=guard.before_write if guard is not None else None,
+                )
+            else:
+                data_files = [k[len(MODEL_DIR) + 1 :] for k in record.files if k.startswith(MODEL_DIR + "/")]
+                with _quiet_dcp():
+                    dcp_load(
+                        tensors,
+                        storage_reader=SafeFileSystemReader(os.path.join(local, MODEL_DIR), data_files),
+                        process_group=pg,
+                        no_dist=world == 1,
+                    )
+            meta_touched = True
+            state.restore(tensors, doc.get("state_meta", {}))
+        except (Exception, CheckpointException) as raw:
+            if guard is not None:
+                guard.restore()
+                if meta_touched:
+                    try:
+                        state.restore(tensors, old_meta)
+                    except Exception:
+                        log.exception("could not put the optimizer/extra settings back after a failed load")
+            inner = unwrap(raw)
+            if isinstance(inner, CheckpointError):
+                raise inner from raw
+            if isinstance(inner, OSError):
+                raise CorruptCheckpointError(f"checkpoint {path} could not be read ({inner})") from inner
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model/optimizer ({_last_line(inner)}); load it into the "
+                "model it was saved from, or start a fresh save folder"
+            ) from inner
+        finally:
+            if guard is not None:
+                guard.finish()
+                if not had_buffers:
+                    self._stager.release()  # the backup was only for this load
+        train_state: dict[str, Any] = doc.get("train_state", {})
+        return train_state
+
+    def _settle(self) -> None:
+        # A load reuses the staging buffers for its backup: let a background save finish with
+        # them first. Its outcome stays with its future, for whoever waits on it.
+        with self._lock:
+            fut = self._inflight
+        if fut is not None:
+            concurrent.futures.wait([fut])
 
     def _download(self, storage: Storage, path: str, spool: str) -> CommitRecord:
         record = self.read_record(path)
         names = sorted(record.files)
+        root = os.path.realpath(spool)
 
         def fetch(rel: str) -> None:
             dst = os.path.join(spool, rel)
+            # Names were checked when the record was read; this is the second lock on the door.
+            if not os.path.realpath(dst).startswith(root + os.sep):
+                raise CorruptCheckpointError(f"checkpoint {path} lists {rel!r}, which is outside the checkpoint")
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             try:
                 storage.download(storage.join(path, rel), dst)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"checkpoint {path} is corrupt: missing file {rel}") from None
-            size, digest = hash_file(dst)
+            size, digest = hash_file(dst, follow_links=False)
             discovery.check_file(path, rel, record.files[rel], size, digest if self.verify_checksums else None)
 
         with ThreadPoolExecutor(max_workers=self.upload_threads) as pool:
@@ -552,61 +637,23 @@ class Checkpointer:
     # ------------------------------------------------------------------ removal
 
     def remove(self, path: str, run_in_background: Callable[[Callable[[], Any]], Any] | None = None) -> None:
-        """Remove a checkpoint: the commit record goes first (invalid at once), the files after.
+        """Remove a checkpoint: invisible at once (rename, or commit record first), files deleted after.
 
-        The slow part (deleting files) is handed to ``run_in_background`` when given.
+        Only checkpoints ckptkeeper can prove it wrote are removed, and only their own files (see
+        :mod:`ckptkeeper.engine.deleter`); anything else raises :class:`ConfigurationError` and is left
+        alone. A ``step{N}`` symlink is unlinked, never followed. The slow part (deleting files) is
+        handed to ``run_in_background`` when given.
         """
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        parent = path.rstrip("/")[: -len(name) - 1]
-        if parse_step(name) is None or not parent or parent.endswith(":/") or parent.endswith(":"):
-            raise ConfigurationError(f"refusing to remove {path!r}: only step folders inside a save folder are removed")
-        storage = storage_for(path)
-        storage.remove_file(storage.join(path, COMMIT_RECORD))
-        if storage.supports_rename:
-            trash = storage.join(parent, f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
-            try:
-                storage.rename_dir(path, trash)
-            except FileNotFoundError:
-                return
-            target = trash
-        else:
-            target = path
-
-        def delete() -> None:
-            n = storage.remove_tree(target)
-            log.info("removed checkpoint %s (%d files)", path, n)
-
-        if run_in_background is None:
-            delete()
-        else:
-            run_in_background(delete)
+        remove_checkpoint(path, run_in_background)
 
     def clean_scratch(self, save_folder: str) -> list[str]:
-        """Delete leftovers of interrupted saves and removals (``.tmp-*``, ``.trash-*``); returns them."""
-        storage = storage_for(save_folder)
-        gone = []
-        for name in storage.list_dir(save_folder):
-            if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
-                full = storage.join(save_folder, name)
-                local = storage.local_path(full)
-                if local is not None:
-                    shutil.rmtree(local, ignore_errors=True)
-                else:
-                    storage.remove_tree(full)
-                gone.append(full)
-        if not storage.supports_rename:
-            # Object stores: step prefixes without a commit record are interrupted saves or removals.
-            for name in storage.list_dir(save_folder):
-                if parse_step(name) is None:
-                    continue
-                full = storage.join(save_folder, name)
-                if not storage.exists(storage.join(full, COMMIT_RECORD)):
-                    storage.remove_tree(full)
-                    gone.append(full)
-            aborted = storage.cleanup_orphans(save_folder)
-            if aborted:
-                log.info("aborted %d unfinished multipart uploads under %s", aborted, save_folder)
-        return gone
+        """Delete leftovers of interrupted saves and removals that are provably ckptkeeper's; returns them.
+
+        Local disks: ``.tmp-step{N}-{id}`` and ``.trash-step{N}-{id}`` folders (exact names only).
+        Object stores: step folders without a commit record, through their upload intents (only
+        the announced objects), and the unfinished multipart uploads those intents announced.
+        """
+        return clean_save_folder(save_folder)
 
 
 def _written_by(rel: str, rank: int) -> bool:

@@ -13,10 +13,27 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage import storage_for
-from ..storage.layout import COMMIT_RECORD, parse_step
-from .record import CommitRecord, FileEntry, hash_file
+from ..storage.layout import COMMIT_RECORD, MODEL_DIR, TRAIN_DIR, parse_step
+from .record import (
+    MAX_RECORD_BYTES,
+    MAX_STATE_BYTES,
+    CommitRecord,
+    FileEntry,
+    check_digest,
+    hash_file,
+    loads_bounded,
+)
 
-__all__ = ["CheckpointInfo", "check_file", "inspect", "list_checkpoints", "read_record", "verify", "verify_checksums"]
+__all__ = [
+    "CheckpointInfo",
+    "check_file",
+    "inspect",
+    "list_checkpoints",
+    "read_record",
+    "verify",
+    "verify_checksums",
+    "verify_structure",
+]
 
 
 @dataclass(frozen=True)
@@ -32,17 +49,39 @@ class CheckpointInfo:
     problem: str | None = None
 
 
-def read_record(path: str) -> CommitRecord:
-    """The commit record of the checkpoint at ``path``; CheckpointNotFoundError when there is none."""
+def read_record(path: str, size: int | None = None) -> CommitRecord:
+    """The commit record of the checkpoint at ``path``; CheckpointNotFoundError when there is none.
+
+    ``size`` (from a listing) lets an oversized record be refused before it is read.
+    """
     storage = storage_for(path)
+    where = storage.join(path, COMMIT_RECORD)
+    if size is not None and size > MAX_RECORD_BYTES:
+        raise CorruptCheckpointError(
+            f"commit record {where} has {size} bytes, more than the {MAX_RECORD_BYTES} ckptkeeper reads; "
+            "the checkpoint cannot be trusted"
+        )
     try:
-        data = storage.read_bytes(storage.join(path, COMMIT_RECORD))
+        local = storage.local_path(where)
+        data = _read_local_small(local, MAX_RECORD_BYTES) if local is not None else storage.read_bytes(where)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"no complete checkpoint at {path} (its commit record {COMMIT_RECORD} is missing); "
             "pass a step folder listed as complete by `ckptkeeper ls`"
         ) from None
-    return CommitRecord.from_json(data, storage.join(path, COMMIT_RECORD))
+    return CommitRecord.from_json(data, where)
+
+
+def _read_local_small(path: str, limit: int) -> bytes:
+    # Never through a symlink, never more than the limit (+1, so that too-large shows).
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise CorruptCheckpointError(f"cannot read {path} ({exc.strerror}); the checkpoint cannot be trusted") from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit + 1)
 
 
 def inspect(path: str) -> tuple[CommitRecord | None, str | None, int]:
@@ -51,7 +90,7 @@ def inspect(path: str) -> tuple[CommitRecord | None, str | None, int]:
     sizes = {f.relpath: f.size for f in storage.walk(path)}
     stored = sum(sizes.values())
     try:
-        record = read_record(path)
+        record = read_record(path, sizes.get(COMMIT_RECORD))
     except CheckpointNotFoundError:
         return None, "no commit record", stored
     except CorruptCheckpointError as exc:
@@ -88,11 +127,14 @@ def list_checkpoints(save_folder: str) -> list[CheckpointInfo]:
     return sorted(out, key=lambda i: i.step)
 
 
-def verify(path: str, checksums: bool = True) -> CommitRecord:
+def verify(path: str, checksums: bool = True, structure: bool = True) -> CommitRecord:
     """Check every file of a checkpoint against its commit record; raises CorruptCheckpointError.
 
     With ``checksums`` every file is read once (object-store files are downloaded to a temporary
-    file one at a time, so the local disk needs room for the largest file only).
+    file one at a time, so the local disk needs room for the largest file only). With
+    ``structure`` the small files are decoded too (DCP metadata through the allow-list, trainer
+    state as bounded JSON) and the data file's layout is checked against the metadata, so a
+    checkpoint that verifies also loads into a model of its shape.
     """
     record, problem, _ = inspect(path)
     if record is None:
@@ -105,7 +147,48 @@ def verify(path: str, checksums: bool = True) -> CommitRecord:
     assert record is not None
     if checksums:
         verify_checksums(path, record)
+    if structure:
+        verify_structure(path, record)
     return record
+
+
+def verify_structure(path: str, record: CommitRecord) -> None:
+    """Decode the small files (after checking their checksums) and check the data file's layout."""
+    from .fastio import DATA_FILE, parse_layout
+    from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
+
+    storage = storage_for(path)
+
+    def small(rel: str, limit: int) -> bytes:
+        entry = record.files[rel]
+        if entry.bytes > limit:
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {rel} is listed with {entry.bytes} bytes")
+        full = storage.join(path, rel)
+        local = storage.local_path(full)
+        data = _read_local_small(local, limit) if local is not None else storage.read_bytes(full)
+        check_digest(path, rel, entry, data)
+        return data
+
+    meta_rel = f"{MODEL_DIR}/.metadata"
+    if meta_rel not in record.files:
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupt: its commit record lists no {meta_rel}")
+    data_files = [k[len(MODEL_DIR) + 1 :] for k in record.files if k.startswith(MODEL_DIR + "/")]
+    metadata = safe_load_metadata(small(meta_rel, MAX_METADATA_BYTES), f"{path}/{meta_rel}", data_files)
+    for rel in record.files:
+        if rel.startswith(TRAIN_DIR + "/") and rel.endswith(".json"):
+            loads_bounded(small(rel, MAX_STATE_BYTES), f"{path}/{rel}", max_bytes=MAX_STATE_BYTES, max_depth=64,
+                          allow_nonfinite=True)  # fmt: skip
+    layout = record.extra.get("layout")
+    if layout is not None:
+        rel = f"{MODEL_DIR}/{DATA_FILE}"
+        try:
+            if not isinstance(layout, dict) or set(layout) != {rel} or rel not in record.files:
+                raise ValueError("the layout does not describe this checkpoint's data file")
+            parse_layout(layout[rel], record.files[rel].bytes, metadata)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
+            ) from None
 
 
 def verify_checksums(path: str, record: CommitRecord) -> None:
@@ -114,7 +197,12 @@ def verify_checksums(path: str, record: CommitRecord) -> None:
     local = storage.local_path(path)
     for rel, entry in record.files.items():
         if local is not None:
-            size, digest = hash_file(os.path.join(local, rel))
+            try:
+                size, digest = hash_file(os.path.join(local, rel), follow_links=False)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"checkpoint {path} is corrupt: missing file {rel}") from None
+            except OSError as exc:
+                raise CorruptCheckpointError(f"checkpoint {path}: cannot read {rel} ({exc.strerror})") from None
         else:
             with tempfile.NamedTemporaryFile(prefix="ckptkeeper-verify-") as tmp:
                 storage.download(storage.join(path, rel), tmp.name)

@@ -23,11 +23,12 @@ through DCP's own writer and reader.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CorruptCheckpointError
 from .record import FileEntry, new_hasher
 
-__all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "read_fast", "write_fast"]
+__all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "load_order", "parse_layout", "read_fast", "write_fast"]
 
 DATA_FILE = "__0_0.distcp"
 _CHUNK = 64 << 20
@@ -68,8 +69,66 @@ class Segment:
         return [self.kind, self.fqn, self.offset, self.length, self.xxh3_64]
 
     @classmethod
-    def from_json(cls, row: Sequence[Any]) -> Segment:
-        return cls(str(row[0]), str(row[1]), int(row[2]), int(row[3]), str(row[4]))
+    def from_json(cls, row: Any) -> Segment:
+        """Parse one layout row read from a commit record; ValueError when it is not exactly one."""
+        if not isinstance(row, list) or len(row) != 5:
+            raise ValueError(f"layout row {str(row)[:80]!r} is not [kind, name, offset, length, checksum]")
+        kind, fqn, offset, length, digest = row
+        if kind not in ("head", "data", "tail") or not isinstance(fqn, str) or not isinstance(digest, str):
+            raise ValueError(f"layout row {str(row)[:80]!r} is malformed")
+        for v in (offset, length):
+            if type(v) is not int or not 0 <= v < 1 << 52:
+                raise ValueError(f"layout row {str(row)[:80]!r} has an invalid offset or length")
+        return cls(kind, fqn, offset, length, digest)
+
+
+def parse_layout(rows: Any, file_size: int, metadata: Any) -> dict[str, dict[str, Segment]]:
+    """Check a data file's layout against its size and DCP's metadata; returns segments by tensor.
+
+    The segments must tile the file exactly (head, data, tail of each tensor, in order) and each
+    tensor's byte range must be the one DCP's (checksummed) ``.metadata`` gives, so a layout that
+    was tampered with is caught before any byte is read. ValueError says what does not fit.
+    """
+    if not isinstance(rows, list):
+        raise ValueError("the data file's layout is not a list")
+    segments = [Segment.from_json(r) for r in rows]
+    if len(segments) % 3:
+        raise ValueError("the data file's layout does not hold whole tensors")
+    by_fqn: dict[str, dict[str, Segment]] = {}
+    pos = 0
+    for i in range(0, len(segments), 3):
+        trio = segments[i : i + 3]
+        if [s.kind for s in trio] != ["head", "data", "tail"] or len({s.fqn for s in trio}) != 1:
+            raise ValueError(f"layout rows {i}..{i + 2} are not one tensor's head, data and tail")
+        for s in trio:
+            if s.offset != pos:
+                raise ValueError(f"segment {s.kind} of {s.fqn[:80]!r} starts at {s.offset}, expected {pos}")
+            pos += s.length
+        if trio[0].fqn in by_fqn:
+            raise ValueError(f"tensor {trio[0].fqn[:80]!r} appears twice in the layout")
+        by_fqn[trio[0].fqn] = {s.kind: s for s in trio}
+    if pos != file_size:
+        raise ValueError(f"the layout covers {pos} bytes, the data file has {file_size}")
+    ranges = {}
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        if info.relative_path == DATA_FILE:
+            ranges[index.fqn] = (info.offset, info.length)
+    expected = {
+        f: (s["head"].offset, s["head"].length + s["data"].length + s["tail"].length) for f, s in by_fqn.items()
+    }
+    if ranges != expected:
+        raise ValueError("the layout disagrees with the DCP metadata about where tensors are")
+    for fqn, segs in by_fqn.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        size = getattr(md, "size", None)
+        props = getattr(md, "properties", None)
+        dtype = getattr(props, "dtype", None)
+        if size is None or not isinstance(dtype, torch.dtype):
+            raise ValueError(f"the DCP metadata has no tensor entry for {fqn[:80]!r}")
+        want = math.prod(size) * torch.empty((), dtype=dtype).element_size()
+        if segs["data"].length != want:
+            raise ValueError(f"{fqn[:80]!r}: the layout holds {segs['data'].length} bytes, its shape needs {want}")
+    return by_fqn
 
 
 def _leaves(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[str, tuple[str, ...], Any]]:
@@ -238,17 +297,21 @@ def _preadinto(fd: int, view: memoryview, offset: int, hasher: Any, where: str) 
 
 
 def read_fast(
-    model_dir: str, tree: Mapping[str, Any], segments: Sequence[Segment], verify: bool = True, threads: int = 2
+    model_dir: str,
+    tree: Mapping[str, Any],
+    by_fqn: Mapping[str, Mapping[str, Segment]],
+    verify: bool = True,
+    threads: int = 2,
+    before_write: Callable[[str], None] | None = None,
 ) -> None:
     """Fill the tensors of ``tree`` in place from a checkpoint written by :func:`write_fast`.
 
-    Each tensor's bytes are read straight into it (several tensors at once); with ``verify`` every
-    segment's checksum is checked on the way and a mismatch raises CorruptCheckpointError naming
-    the file and tensor. After such an error the destination tensors are partly overwritten.
+    ``by_fqn`` is :func:`parse_layout`'s result. Each tensor's bytes are read straight into it
+    (several tensors at once, largest first); ``before_write(fqn)`` is called just before a
+    tensor is first written (the loader backs it up there). With ``verify`` every segment's
+    checksum is checked on the way and a mismatch raises CorruptCheckpointError naming the file
+    and tensor.
     """
-    by_fqn: dict[str, dict[str, Segment]] = {}
-    for seg in segments:
-        by_fqn.setdefault(seg.fqn, {})[seg.kind] = seg
     where = os.path.join(model_dir, DATA_FILE)
     jobs = []
     for fqn, _, dest in _leaves(tree):
@@ -259,15 +322,18 @@ def read_fast(
         if segs["data"].length != want or not dest.is_contiguous() or dest.device.type != "cpu":
             raise ValueError(f"{fqn}: {segs['data'].length} bytes saved, destination holds {want}")
         jobs.append((fqn, dest, segs))
-    fd = os.open(where, os.O_RDONLY)
+    # O_NOFOLLOW: a checkpoint's data file is never a link to somewhere else.
+    fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW)
     try:
 
-        def load(job: tuple[str, torch.Tensor, dict[str, Segment]]) -> None:
+        def load(job: tuple[str, torch.Tensor, Mapping[str, Segment]]) -> None:
             fqn, dest, segs = job
             for kind in ("head", "data", "tail"):
                 seg = segs[kind]
                 h = new_hasher()
                 if kind == "data":
+                    if before_write is not None:
+                        before_write(fqn)
                     _preadinto(fd, _bytes_of(dest.detach()), seg.offset, h, where)
                 else:
                     _preadinto(fd, memoryview(bytearray(seg.length)), seg.offset, h, where)
@@ -278,7 +344,19 @@ def read_fast(
                     )
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
-            for fut in [pool.submit(load, j) for j in sorted(jobs, key=lambda j: -j[1].numel())]:
-                fut.result()
+            futures = [pool.submit(load, j) for j in sorted(jobs, key=lambda j: -j[1].numel())]
+            error: BaseException | None = None
+            for fut in futures:
+                # Wait for every reader before reporting, so nothing writes into a tensor afterwards.
+                exc = fut.exception()
+                if exc is not None and error is None:
+                    error = exc
+            if error is not None:
+                raise error
     finally:
         os.close(fd)
+
+
+def load_order(tree: Mapping[str, Any]) -> list[str]:
+    """The order in which :func:`read_fast` starts writing tensors (largest first)."""
+    return [f for f, _, t in sorted(_leaves(tree), key=lambda x: -x[2].numel())]

@@ -2,26 +2,58 @@
 
 A checkpoint is complete if and only if its record exists, parses, and every file it lists
 exists with the listed size. Checksums (xxh3-64, from the ``xxhash`` library) are checked when
-a checkpoint is verified or loaded, so a flipped bit is caught before any tensor is touched.
+a checkpoint is verified or loaded.
+
+The record is the root of trust, so it checks itself: it carries an xxh3-64 of its own bytes
+(with that field blanked), and every field is type-checked on read. Everything read from it is
+bounded: its size, its nesting, its numbers, and its file names (plain relative paths only).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from ..errors import CorruptCheckpointError
+from ..storage.layout import COMMIT_RECORD, check_relpath
 
-__all__ = ["FORMAT_VERSION", "CommitRecord", "FileEntry", "hash_file", "new_hasher"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MAX_RECORD_BYTES",
+    "MAX_STATE_BYTES",
+    "CommitRecord",
+    "FileEntry",
+    "check_digest",
+    "digest_bytes",
+    "hash_file",
+    "loads_bounded",
+    "new_hasher",
+]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the record carries ``record_xxh3_64``, a checksum of itself. 1 (still read): without it."""
+MAX_RECORD_BYTES = 64 << 20
+"""The largest commit record ckptkeeper reads."""
+MAX_STATE_BYTES = 256 << 20
+"""The largest trainer-state file ckptkeeper reads."""
 _FORMAT = "ckptkeeper"
 _CHUNK = 8 << 20
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_SELF_KEY = "record_xxh3_64"
+_SELF_HEAD = b'{\n "' + _SELF_KEY.encode() + b'": "'
+_SELF_TAIL = b'",\n'
+_BLANK = b"0" * 16
+_MAX_FILES = 1 << 20
+_MAX_FILE_BYTES = 1 << 52
 
 
 def new_hasher() -> Any:
@@ -29,11 +61,20 @@ def new_hasher() -> Any:
     return xxhash.xxh3_64()
 
 
-def hash_file(path: str) -> tuple[int, str]:
-    """Size and xxh3-64 hex digest of a local file, read in large chunks."""
+def digest_bytes(data: bytes | memoryview) -> str:
+    """xxh3-64 hex digest of ``data``."""
+    return str(xxhash.xxh3_64_hexdigest(data))
+
+
+def hash_file(path: str, follow_links: bool = True) -> tuple[int, str]:
+    """Size and xxh3-64 hex digest of a local file, read in large chunks.
+
+    ``follow_links=False`` refuses a file that is a symlink (OSError), as checkpoint reads do.
+    """
     h = new_hasher()
     n = 0
-    with open(path, "rb", buffering=0) as f:
+    flags = os.O_RDONLY | (0 if follow_links else os.O_NOFOLLOW)
+    with os.fdopen(os.open(path, flags), "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while True:
@@ -45,12 +86,75 @@ def hash_file(path: str) -> tuple[int, str]:
     return n, h.hexdigest()
 
 
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_OPEN = np.zeros(256, dtype=np.int8)
+_OPEN[[ord("["), ord("{")]] = 1
+_OPEN[[ord("]"), ord("}")]] = -1
+
+
+def _depth(data: bytes) -> int:
+    # Strings may hold brackets: drop them first; the rest is a running sum, done by numpy.
+    bare = _STRINGS.sub(b"", data)
+    if not bare:
+        return 0
+    steps = _OPEN[np.frombuffer(bare, dtype=np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a checkpoint stores here")
+
+
+def loads_bounded(data: bytes, where: str, *, max_bytes: int, max_depth: int, allow_nonfinite: bool = False) -> Any:
+    """Parse JSON from a checkpoint with limits on size, nesting and numbers.
+
+    Any problem (not UTF-8, not JSON, too large, too deep, an infinite or huge number) raises
+    :class:`CorruptCheckpointError` naming ``where``; nothing else escapes.
+    """
+    try:
+        if len(data) > max_bytes:
+            raise ValueError(f"{len(data)} bytes, more than the {max_bytes} ckptkeeper reads")
+        depth = _depth(data)
+        if depth > max_depth:
+            raise ValueError(f"nested {depth} levels deep, more than {max_depth}")
+        text = data.decode("utf-8")
+        kwargs: dict[str, Any] = {}
+        if not allow_nonfinite:
+            kwargs["parse_constant"] = _no_constant
+        return json.loads(text, **kwargs)
+    except (ValueError, UnicodeDecodeError, RecursionError, MemoryError, OverflowError, TypeError) as exc:
+        raise CorruptCheckpointError(
+            f"{where} is malformed ({type(exc).__name__}: {str(exc)[:200]}); the checkpoint cannot be trusted: "
+            "load an earlier checkpoint (resume does this automatically) or restore it from a copy"
+        ) from None
+
+
+def check_digest(where: str, rel: str, entry: FileEntry, data: bytes) -> None:
+    """Raise CorruptCheckpointError unless ``data`` has the size and checksum ``entry`` lists."""
+    if len(data) != entry.bytes:
+        problem = f"{rel} has {len(data)} bytes, the commit record says {entry.bytes}"
+    else:
+        digest = digest_bytes(data)
+        if digest == entry.xxh3_64:
+            return
+        problem = f"{rel} has checksum {digest}, the commit record says {entry.xxh3_64}"
+    raise CorruptCheckpointError(
+        f"checkpoint {where} is corrupt: {problem}; load an earlier checkpoint or restore this one from a copy"
+    )
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of a checkpoint: size in bytes and xxh3-64 checksum (hex)."""
 
     bytes: int
     xxh3_64: str
+
+
+def _int(value: Any, name: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name} is {str(value)[:40]!r}, expected an integer in [{low}, {high}]")
+    return value
 
 
 @dataclass(frozen=True)
@@ -71,10 +175,11 @@ class CommitRecord:
         return sum(e.bytes for e in self.files.values())
 
     def to_json(self) -> bytes:
-        """The record as UTF-8 JSON."""
+        """The record as UTF-8 JSON, its first field a checksum of the whole with that field blanked."""
         doc = {
+            _SELF_KEY: _BLANK.decode(),
             "format": _FORMAT,
-            "version": self.version,
+            "version": FORMAT_VERSION,
             "step": self.step,
             "ephemeral": self.ephemeral,
             "world_size": self.world_size,
@@ -84,32 +189,71 @@ class CommitRecord:
             "files": {k: {"bytes": v.bytes, "xxh3_64": v.xxh3_64} for k, v in sorted(self.files.items())},
             "extra": dict(self.extra),
         }
-        return json.dumps(doc, indent=1).encode()
+        blank = json.dumps(doc, indent=1, allow_nan=False).encode()
+        assert blank.startswith(_SELF_HEAD + _BLANK + _SELF_TAIL)
+        return _SELF_HEAD + digest_bytes(blank).encode() + blank[len(_SELF_HEAD) + 16 :]
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> CommitRecord:
-        """Parse a record; CorruptCheckpointError names ``where`` when it is malformed."""
+        """Parse and check a record; CorruptCheckpointError names ``where`` when it is malformed."""
+        doc = loads_bounded(data, f"commit record {where}", max_bytes=MAX_RECORD_BYTES, max_depth=16)
         try:
-            doc = json.loads(data)
-            if doc.get("format") != _FORMAT:
-                raise ValueError("not a ckptkeeper commit record")
-            if int(doc["version"]) > FORMAT_VERSION:
-                raise ValueError(
-                    f"format version {doc['version']} is newer than this ckptkeeper understands "
-                    f"({FORMAT_VERSION}); upgrade ckptkeeper"
-                )
-            files = {str(k): FileEntry(int(v["bytes"]), str(v["xxh3_64"])) for k, v in doc["files"].items()}
-            return cls(
-                step=int(doc["step"]),
-                ephemeral=bool(doc["ephemeral"]),
-                world_size=int(doc["world_size"]),
-                files=files,
-                created_unix=float(doc["created_unix"]),
-                version=int(doc["version"]),
-                extra=dict(doc.get("extra", {})),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return cls._from_doc(doc, data)
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             raise CorruptCheckpointError(
-                f"commit record {where} is malformed ({exc}); the checkpoint cannot be trusted: "
-                "load an earlier checkpoint or delete this folder"
-            ) from exc
+                f"commit record {where} is malformed ({str(exc)[:300]}); the checkpoint cannot be trusted: "
+                "load an earlier checkpoint (resume does this automatically) or restore it from a copy"
+            ) from None
+
+    @classmethod
+    def _from_doc(cls, doc: Any, data: bytes) -> CommitRecord:
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+            raise ValueError("not a ckptkeeper commit record")
+        version = _int(doc.get("version"), "version", 1, 1 << 30)
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"format version {version} is newer than this ckptkeeper understands ({FORMAT_VERSION}); "
+                "upgrade ckptkeeper"
+            )
+        if version >= 2 or _SELF_KEY in doc:
+            head = len(_SELF_HEAD)
+            claimed = data[head : head + 16]
+            if not (data.startswith(_SELF_HEAD) and data[head + 16 : head + 16 + len(_SELF_TAIL)] == _SELF_TAIL):
+                raise ValueError(f"its own checksum ({_SELF_KEY}) is missing or misplaced")
+            actual = digest_bytes(data[:head] + _BLANK + data[head + 16 :])
+            if claimed.decode("ascii", "replace") != actual:
+                raise ValueError("its own checksum does not match its content (changed after it was written)")
+        files_doc = doc["files"]
+        if not isinstance(files_doc, dict) or len(files_doc) > _MAX_FILES:
+            raise ValueError("'files' is not a table of files")
+        files: dict[str, FileEntry] = {}
+        for rel, entry in files_doc.items():
+            problem = check_relpath(rel)
+            if problem is None and rel == COMMIT_RECORD:
+                problem = "the record lists itself"
+            if problem is not None:
+                raise ValueError(problem)
+            if not isinstance(entry, dict):
+                raise ValueError(f"entry of {rel} is not a table")
+            digest = entry.get("xxh3_64")
+            if not isinstance(digest, str) or not _HEX16.match(digest):
+                raise ValueError(f"checksum of {rel} is {str(digest)[:40]!r}, not 16 hex digits")
+            files[rel] = FileEntry(_int(entry.get("bytes"), f"size of {rel}", 0, _MAX_FILE_BYTES), digest)
+        created = doc["created_unix"]
+        if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
+            raise ValueError(f"created_unix is {str(created)[:40]!r}")
+        ephemeral = doc["ephemeral"]
+        if type(ephemeral) is not bool:
+            raise ValueError(f"ephemeral is {str(ephemeral)[:40]!r}, not true or false")
+        extra = doc.get("extra", {})
+        if not isinstance(extra, dict):
+            raise ValueError("'extra' is not a table")
+        return cls(
+            step=_int(doc["step"], "step", 0, 1 << 62),
+            ephemeral=ephemeral,
+            world_size=_int(doc["world_size"], "world_size", 1, 1 << 24),
+            files=files,
+            created_unix=float(created),
+            version=version,
+            extra=extra,
+        )

@@ -40,13 +40,19 @@ class Stager:
         self._buffers = {}
         self._layout = None
 
-    def stage(self, tree: Mapping[str, Any]) -> dict[str, Any]:
-        """A copy of ``tree`` whose tensors live in this stager's buffers (blocking until copied)."""
+    def buffers_for(self, tree: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """This stager's buffers for ``tree``'s layout (allocated when the layout changed), by dotted path."""
         leaves = list(flatten_tensors(tree))
         layout = tuple((p, tuple(_local(t).shape), _local(t).dtype) for p, t in leaves)
         if layout != self._layout:
             self._allocate(leaves)
             self._layout = layout
+        return dict(self._buffers)
+
+    def stage(self, tree: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of ``tree`` whose tensors live in this stager's buffers (blocking until copied)."""
+        leaves = list(flatten_tensors(tree))
+        self.buffers_for(tree)
         any_cuda = False
         for path, t in leaves:
             src = _local(t).detach()

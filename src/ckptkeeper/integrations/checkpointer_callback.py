@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .. import distributed as D
-from ..errors import CheckpointSaveError
+from ..errors import CheckpointSaveError, CkptkeeperError
 from ..policy import (
     CheckpointPolicyConfig,
     RemovalStrategy,
@@ -161,13 +161,17 @@ class CheckpointerCallback(Callback):
         self.history.append(CheckpointEvent("remove", parse_step(path) or -1, self.step, None, path))
         rank, fs_rank = D.get_rank(), D.get_fs_local_rank()
         if rank == 0 or (not is_url(path) and fs_rank == 0):
-            # Deleting the commit record is immediate; the files go in the background.
-            self.trainer.checkpointer.remove(
-                path,
-                run_in_background=lambda fn: self.trainer.run_bookkeeping_op(
-                    fn, op_name=f"remove {path}", soft_timeout=180 if is_url(path) else None
-                ),
-            )
+            # Making it invisible is immediate; the files go in the background.
+            try:
+                self.trainer.checkpointer.remove(
+                    path,
+                    run_in_background=lambda fn: self.trainer.run_bookkeeping_op(
+                        fn, op_name=f"remove {path}", soft_timeout=180 if is_url(path) else None
+                    ),
+                )
+            except CkptkeeperError as exc:
+                # Retention is housekeeping: a checkpoint it may not delete is left, never a crash.
+                log.error("not removing %s: %s", path, exc)
 
     def _remove_due(self) -> None:
         for path in self._book.take_due():
@@ -239,5 +243,6 @@ class CheckpointerCallback(Callback):
                 self._await_last_checkpoint()
             except Exception as err:
                 log.error("the checkpoint save in flight failed: %s", err)
+                self.trainer.mark_reported(err)
             finally:
                 self._future = None

@@ -20,8 +20,14 @@ import torch
 from torch import nn
 
 from .. import distributed as D
-from ..engine import Checkpointer, SaveResult, Stateful, TrainingState
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
+from ..engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, TrainingState
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    SaveFolderInUseError,
+)
 from ..storage import storage_for
 
 __all__ = ["Callback", "TrainStep", "Trainer"]
@@ -123,10 +129,14 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 class Trainer:
     """Runs ``max_steps`` updates of ``model`` over ``data_loader``, calling callbacks around each.
 
-    On :meth:`fit` it resumes from the newest complete checkpoint in ``save_folder`` (falling back
-    to older ones when the newest is corrupt), or else from ``load_path`` when given. Without a
+    On :meth:`fit` it takes the save folder's writer lease (``take_lease``; a second run on the same
+    folder stops with :class:`~ckptkeeper.SaveFolderInUseError`), then resumes from the newest
+    checkpoint in ``save_folder`` that loads (falling back past corrupt ones), or else from
+    ``load_path`` when given. When the save folder holds checkpoints and none of them loads, it
+    raises :class:`~ckptkeeper.CorruptCheckpointError` listing each one and why, unless
+    ``start_fresh_if_unloadable`` says to train from scratch over them. Without a
     :class:`~ckptkeeper.CheckpointerCallback` in ``callbacks`` one with default settings is added,
-    as in the specification.
+    as in OLMo-core.
     """
 
     def __init__(
@@ -144,6 +154,8 @@ class Trainer:
         checkpointer: Checkpointer | None = None,
         extra_state: Mapping[str, Stateful] | None = None,
         add_default_checkpointer: bool = True,
+        start_fresh_if_unloadable: bool = False,
+        take_lease: bool = True,
     ) -> None:
         if max_steps < 0:
             raise ConfigurationError(f"'max_steps' must be at least 0, got {max_steps}")
@@ -156,6 +168,10 @@ class Trainer:
         self.save_folder = save_folder
         self.max_steps = max_steps
         self.load_path = load_path
+        self.start_fresh_if_unloadable = start_fresh_if_unloadable
+        self.take_lease = take_lease
+        self.lease: SaveFolderLease | None = None
+        self._reported: set[int] = set()
         self.train_step: TrainStep = train_step or _default_step
         self.checkpointer = checkpointer or Checkpointer()
         self.state = TrainingState(model, optimizer, extra_state)
@@ -293,21 +309,43 @@ class Trainer:
             cb.post_checkpoint_loaded(path)
 
     def maybe_load_checkpoint(self) -> bool:
-        """Resume from the newest good checkpoint in the save folder, else from ``load_path``.
+        """Resume from the newest checkpoint in the save folder that loads, else from ``load_path``.
 
-        A checkpoint that fails verification is skipped with a warning and the next older one is
-        tried; a corrupt ``load_path`` (explicitly asked for) raises.
+        A checkpoint that fails verification or loading (any corruption) is skipped with a warning
+        and the next older one is tried; a failed load leaves the model as it was. When checkpoints
+        exist and none loads, CorruptCheckpointError lists them all, unless
+        ``start_fresh_if_unloadable``. A corrupt ``load_path`` (explicitly asked for) raises.
         """
-        candidates = D.on_rank0(lambda: [p for _, p in reversed(self.checkpointer.find_checkpoints(self.save_folder))])
+
+        def survey() -> tuple[list[str], list[tuple[str, str]]]:
+            # Complete checkpoints, newest first; and the ones that claim to be checkpoints (they
+            # have a commit record) but are broken. Folders without a record are not ours.
+            infos = self.checkpointer.list_checkpoints(self.save_folder)
+            good = [i.path for i in reversed(infos) if i.complete]
+            broken = [(i.path, i.problem or "") for i in infos if not i.complete and i.problem != "no commit record"]
+            return good, broken
+
+        candidates, failures = D.on_rank0(survey)
         for path in candidates:
             try:
                 self.load_checkpoint(path)
                 return True
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 log.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
-        if candidates:
+                failures.append((path, str(exc)))
+        if failures:
+            listing = "; ".join(f"{p}: {why}" for p, why in sorted(failures))
+            if not self.start_fresh_if_unloadable:
+                raise CorruptCheckpointError(
+                    f"none of the {len(failures)} checkpoints in {self.save_folder} can be loaded ({listing}). "
+                    "Restore one from a copy, or pass start_fresh_if_unloadable=True (ckptkeeper train: "
+                    "--start-fresh-if-unloadable) to train from scratch; the broken checkpoints stay where they are"
+                )
             log.warning(
-                "no checkpoint in %s could be loaded; starting from %s", self.save_folder, self.load_path or "scratch"
+                "no checkpoint in %s could be loaded (%s); starting from %s as asked",
+                self.save_folder,
+                listing,
+                self.load_path or "scratch",
             )
         if self.load_path is not None:
             # Only rank 0 lists (object stores bill and throttle listings); the others take its answer.
@@ -387,10 +425,20 @@ class Trainer:
 
         def prepare_folder() -> None:
             storage_for(self.save_folder).check_access(self.save_folder)
+            if self.take_lease:
+                # Before any clean-up: scratch in this folder may belong to the lease holder.
+                lease = SaveFolderLease(self.save_folder)
+                lease.acquire()
+                self.lease = lease
+                lease.start_renewing()
             self.checkpointer.clean_scratch(self.save_folder)
 
-        D.on_rank0(prepare_folder)
-        self.maybe_load_checkpoint()
+        try:
+            D.on_rank0(prepare_folder)
+            self.maybe_load_checkpoint()
+        except BaseException:
+            self.close()
+            raise
         self.start_step = self.global_step
         if self.checkpoint_loaded and self.global_step >= self.max_steps:
             log.info(
@@ -407,6 +455,11 @@ class Trainer:
             while self.global_step < self.max_steps:
                 batch = self._next_batch()
                 loss = self.train_step(self, batch)
+                if self.lease is not None and self.lease.lost:
+                    raise SaveFolderInUseError(
+                        f"another run took over the lease of save folder {self.save_folder}; stopping so that "
+                        "the two runs do not overwrite each other's checkpoints"
+                    )
                 self.global_step += 1
                 self.losses[self.global_step] = float(loss)
                 for cb in self.callbacks:
@@ -416,6 +469,7 @@ class Trainer:
                 cb.post_train()
             self._dispatch_finished_saves(wait=True)
         except BaseException as exc:
+            self.mark_reported(exc)
             for cb in self.callbacks:
                 try:
                     cb.on_error(exc)
@@ -429,8 +483,15 @@ class Trainer:
             finally:
                 self.close()
 
+    def mark_reported(self, exc: BaseException) -> None:
+        """Note that ``exc`` (and what caused it) was already raised or logged, so it is not reported twice."""
+        seen: BaseException | None = exc
+        while seen is not None and id(seen) not in self._reported:
+            self._reported.add(id(seen))
+            seen = seen.__cause__ or seen.__context__
+
     def close(self) -> None:
-        """Finish background work: bookkeeping ops, then the checkpointer's writer."""
+        """Finish background work (bookkeeping ops, the checkpointer's writer) and release the lease."""
         try:
             self.wait_for_bookkeeping()
         finally:
@@ -438,4 +499,9 @@ class Trainer:
             try:
                 self.checkpointer.close()
             except CheckpointError as exc:
-                log.error("a background save failed and nothing raised it earlier: %s", exc)
+                if id(exc) not in self._reported:
+                    log.error("a background save failed after training stopped: %s", exc)
+            finally:
+                if self.lease is not None:
+                    self.lease.release()
+                    self.lease = None

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..errors import ConfigurationError
+
 __all__ = ["FileInfo", "Storage"]
 
 
@@ -83,6 +85,28 @@ class Storage(ABC):
     def remove_tree(self, prefix: str) -> int:
         """Delete everything below ``prefix``; returns how many files went."""
 
+    def remove_files(self, paths: list[str]) -> int:
+        """Delete exactly these files (missing ones are skipped); returns how many were asked for."""
+        for p in paths:
+            self.remove_file(p)
+        return len(paths)
+
+    def normalise(self, path: str) -> str:
+        """``path`` in canonical form; ConfigurationError when it has empty, ``.`` or ``..`` parts.
+
+        Object-store keys are taken literally (``a//b`` and ``a/b`` are different keys), so instead
+        of guessing what such a path means, it is refused. Guards judge the canonical form only.
+        """
+        scheme, sep, rest = path.partition("://")
+        if not sep:
+            raise ConfigurationError(f"{path!r} is not a URL")
+        parts = rest.rstrip("/").split("/")
+        if not parts[0] or any(p in ("", ".", "..") for p in parts) or "\\" in rest:
+            raise ConfigurationError(
+                f"{path!r} has an empty, '.' or '..' part; write the URL as {scheme}://BUCKET/PREFIX with plain parts"
+            )
+        return f"{scheme}://{'/'.join(parts)}"
+
     def rename_dir(self, src: str, dst: str) -> None:
         """Atomically rename a folder (only where ``supports_rename``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot rename folders")
@@ -91,8 +115,11 @@ class Storage(ABC):
         """The filesystem path of ``path`` when this backend is a local disk, else None."""
         return None
 
-    def cleanup_orphans(self, prefix: str) -> int:
-        """Abort unfinished uploads below ``prefix`` (object stores); returns how many."""
+    def abort_uploads(self, prefix: str, paths: set[str]) -> int:
+        """Abort unfinished multipart uploads below ``prefix`` whose target is one of ``paths``.
+
+        Only uploads ckptkeeper announced (in an intent object) are aborted, never anyone else's.
+        """
         return 0
 
     def check_access(self, path: str) -> None:  # noqa: B027 (a no-op is the right default)

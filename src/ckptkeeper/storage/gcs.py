@@ -120,6 +120,15 @@ class GCSStorage(Storage):
                 self.fs.rm(names)
         return len(names)
 
+    def remove_files(self, paths: list[str]) -> int:
+        keys = [_key(p) for p in paths]
+        if any("/" not in k for k in keys):
+            raise StorageError("refusing to delete a bucket root")
+        if keys:
+            with contextlib.suppress(FileNotFoundError), self._errors(paths[0]):
+                self.fs.rm(keys)
+        return len(keys)
+
     def check_access(self, path: str) -> None:
         bucket = _key(path).split("/", 1)[0]
         if not bucket:

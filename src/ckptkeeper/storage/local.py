@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 
@@ -76,13 +77,23 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def normalise(self, path: str) -> str:
+        return os.path.normpath(os.path.abspath(_strip(path)))
+
     def walk(self, prefix: str) -> Iterator[FileInfo]:
+        # Regular files only: a symlink inside a checkpoint (to a file or a folder) is never
+        # followed, so a checkpoint that holds one is simply missing that file.
         root = _strip(prefix)
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames.sort()
             for name in sorted(filenames):
                 full = os.path.join(dirpath, name)
-                yield FileInfo(os.path.relpath(full, root).replace(os.sep, "/"), os.path.getsize(full))
+                try:
+                    st = os.lstat(full)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    yield FileInfo(os.path.relpath(full, root).replace(os.sep, "/"), st.st_size)
 
     def size(self, path: str) -> int:
         return os.path.getsize(_strip(path))

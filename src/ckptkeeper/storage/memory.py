@@ -86,6 +86,12 @@ class MemoryStorage(Storage):
                 del self._files[k]
         return len(doomed)
 
+    def remove_files(self, paths: list[str]) -> int:
+        with _LOCK:
+            for p in paths:
+                self._files.pop(self._key(p), None)
+        return len(paths)
+
     @staticmethod
     def reset() -> None:
         """Forget every file (tests call this between cases)."""

@@ -26,8 +26,20 @@ _PART = 8 << 20
 
 
 def retries_from_env() -> int:
-    """Attempts per request (``CKPTKEEPER_RETRIES``, default 10)."""
-    return max(1, int(os.environ.get("CKPTKEEPER_RETRIES", "10")))
+    """Attempts per request (``CKPTKEEPER_RETRIES``, default 10); ConfigurationError names a bad value."""
+    from ..errors import ConfigurationError
+
+    text = os.environ.get("CKPTKEEPER_RETRIES", "").strip() or "10"
+    try:
+        attempts = int(text)
+    except ValueError:
+        attempts = 0
+    if attempts < 1:
+        raise ConfigurationError(
+            f"CKPTKEEPER_RETRIES must be a positive integer (attempts per S3 request, default 10), got {text!r}; "
+            "fix or unset it"
+        )
+    return attempts
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -188,8 +200,25 @@ class S3Storage(Storage):
             n += len(keys)
         return n
 
-    def cleanup_orphans(self, prefix: str) -> int:
+    def remove_files(self, paths: list[str]) -> int:
+        by_bucket: dict[str, list[str]] = {}
+        for p in paths:
+            bucket, key = split_url(p)
+            if not key:
+                raise StorageError(f"refusing to delete the bucket root {p!r}")
+            by_bucket.setdefault(bucket, []).append(key)
+        for bucket, keys in by_bucket.items():
+            for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1,000 keys
+                batch = [{"Key": k} for k in keys[i : i + 1000]]
+                with self._errors(f"s3://{bucket}/{keys[i]}"):
+                    out = self.client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+                if out.get("Errors"):
+                    raise StorageError(f"could not delete {len(out['Errors'])} objects in {bucket}: {out['Errors'][0]}")
+        return len(paths)
+
+    def abort_uploads(self, prefix: str, paths: set[str]) -> int:
         bucket, key = split_url(prefix)
+        wanted = {split_url(p)[1] for p in paths if split_url(p)[0] == bucket}
         n = 0
         with self._errors(prefix):
             pages = self.client.get_paginator("list_multipart_uploads").paginate(
@@ -197,8 +226,9 @@ class S3Storage(Storage):
             )
             for page in pages:
                 for up in page.get("Uploads", []):
-                    self.client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
-                    n += 1
+                    if up["Key"] in wanted:
+                        self.client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                        n += 1
         return n
 
     def check_access(self, path: str) -> None:

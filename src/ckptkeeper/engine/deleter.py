@@ -1,0 +1,291 @@
+"""Removing checkpoints and cleaning up, deleting only what ckptkeeper can prove it wrote.
+
+The rules, each one a promise the README makes:
+
+- a checkpoint is removed only when it has a commit record (or, on object stores, upload intents)
+  that says which files are ckptkeeper's, and then only those files are deleted;
+- local removal first renames ``step{N}`` to ``.trash-step{N}-{id}`` (atomic: the checkpoint is
+  gone from every listing at once, and a kill leaves only trash), then deletes in the background;
+- a ``step{N}`` that is a symlink is removed by unlinking the link; its target is never touched;
+- scratch folders are matched exactly (``.tmp-step{N}-{8 hex}``), never by prefix;
+- object-store leftovers of interrupted saves and removals (a step prefix without a commit record)
+  are deleted only through their intent objects, which list exactly what was going to be uploaded;
+- spool folders are named after their process and removed once that process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError, StorageError
+from ..storage import Storage, storage_for
+from ..storage.layout import (
+    COMMIT_RECORD,
+    INTENT_DIR,
+    check_relpath,
+    is_scratch_name,
+    parse_step,
+    scratch_name,
+)
+from ..storage.local import fsync_dir
+from .record import CommitRecord, loads_bounded
+
+__all__ = [
+    "clean_save_folder",
+    "new_spool",
+    "read_intents",
+    "remove_checkpoint",
+    "step_path",
+    "sweep_dead_spools",
+    "write_intent",
+]
+
+log = logging.getLogger(__name__)
+
+SPOOL_PREFIX = "ckptkeeper-spool-"
+_MAX_INTENT_BYTES = 64 << 20
+
+
+def step_path(path: str) -> tuple[Storage, str, str, int]:
+    """(storage, canonical path, parent, step) of a checkpoint folder; ConfigurationError otherwise.
+
+    The path is normalised before it is judged (``//step5``, ``/./step5`` and ``file:///step5`` are
+    all ``/step5``), and a checkpoint directly in the filesystem root is refused.
+    """
+    storage = storage_for(path)
+    canon = storage.normalise(path)
+    if storage.local_path(canon) is not None:
+        parent, name = os.path.split(canon)
+        at_root = os.path.dirname(parent) == parent  # the parent is "/" (or a drive root)
+    else:
+        scheme, rest = canon.split("://", 1)
+        bucket_and_key = rest.split("/")
+        name = bucket_and_key[-1]
+        parent = f"{scheme}://{'/'.join(bucket_and_key[:-1])}"
+        at_root = len(bucket_and_key) < 2  # the bucket itself
+    step = parse_step(name)
+    if step is None or at_root:
+        raise ConfigurationError(
+            f"refusing to remove {path!r}: only step{{N}} folders inside a save folder are removed "
+            "(never a filesystem or bucket root)"
+        )
+    return storage, canon, parent, step
+
+
+def write_intent(storage: Storage, final: str, rank: int, names: list[str], token: str) -> None:
+    """Announce, before uploading, exactly which files rank ``rank`` uploads under ``final``."""
+    doc = {"format": "ckptkeeper-intent", "rank": rank, "token": token, "files": sorted(names)}
+    storage.write_bytes(storage.join(final, INTENT_DIR, f"intent-rank{rank}.json"), json.dumps(doc).encode())
+
+
+def read_intents(storage: Storage, final: str) -> tuple[set[str], list[str]]:
+    """(files announced by intents, the intent objects) under an object-store step folder.
+
+    Intents that do not parse, or announce names that are not plain relative paths, announce
+    nothing: a file is deleted only on a clear statement that ckptkeeper uploaded it.
+    """
+    announced: set[str] = set()
+    objects: list[str] = []
+    for name in storage.list_dir(storage.join(final, INTENT_DIR)):
+        if not (name.startswith("intent-rank") and name.endswith(".json")):
+            continue
+        full = storage.join(final, INTENT_DIR, name)
+        try:
+            doc = loads_bounded(storage.read_bytes(full), full, max_bytes=_MAX_INTENT_BYTES, max_depth=4)
+        except (CorruptCheckpointError, FileNotFoundError):
+            continue
+        if not isinstance(doc, dict) or doc.get("format") != "ckptkeeper-intent":
+            continue
+        files = doc.get("files")
+        if isinstance(files, list) and all(check_relpath(f) is None for f in files):
+            announced.update(files)
+            objects.append(full)
+    return announced, objects
+
+
+def _ours_on_object_store(storage: Storage, final: str) -> list[str] | None:
+    """Every object under ``final`` ckptkeeper can prove it wrote, or None when it can prove nothing."""
+    record_path = storage.join(final, COMMIT_RECORD)
+    listed: set[str] = set()
+    has_record = False
+    try:
+        record = CommitRecord.from_json(storage.read_bytes(record_path), record_path)
+        listed.update(record.files)
+        has_record = True
+    except FileNotFoundError:
+        pass
+    except CorruptCheckpointError:
+        has_record = True  # our name, unreadable: the intents still say what is ours
+    announced, intents = read_intents(storage, final)
+    listed |= announced
+    if not has_record and not intents:
+        return None
+    present = {f.relpath for f in storage.walk(final)}
+    doomed = [storage.join(final, rel) for rel in sorted(listed & present)]
+    return doomed + intents
+
+
+def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]], Any] | None = None) -> bool:
+    """Remove one checkpoint: invisible at once, files deleted after (in the background if given).
+
+    Returns False when there was nothing to remove. ConfigurationError when ``path`` is not a
+    step folder, or is one that ckptkeeper cannot prove it wrote (it is left as it is).
+    """
+    storage, canon, parent, step = step_path(path)
+    local = storage.local_path(canon)
+    if local is not None:
+        if os.path.islink(local):
+            # Someone's link to a checkpoint: the link goes, the folder it points to stays.
+            os.unlink(local)
+            fsync_dir(parent)
+            log.info("removed the link %s (its target was left alone)", local)
+            return True
+        if not os.path.isdir(local):
+            return False
+        if not os.path.isfile(os.path.join(local, COMMIT_RECORD)):
+            raise ConfigurationError(
+                f"refusing to remove {local}: it has no commit record, so ckptkeeper cannot tell it wrote it; "
+                "delete it yourself if it is not needed"
+            )
+        trash = os.path.join(parent, scratch_name("trash", step, uuid.uuid4().hex[:8]))
+        os.rename(local, trash)  # one atomic step: from here no reader sees step{N}
+        fsync_dir(parent)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(trash, COMMIT_RECORD))
+
+        def delete_local() -> None:
+            shutil.rmtree(trash, ignore_errors=True)
+            log.info("removed checkpoint %s", local)
+
+        (run_in_background or _now)(delete_local)
+        return True
+    doomed = _ours_on_object_store(storage, canon)
+    if doomed is None:
+        if not storage.list_dir(canon):
+            return False
+        raise ConfigurationError(
+            f"refusing to remove {canon}: it has no commit record or upload intent, so ckptkeeper cannot tell "
+            "it wrote it; delete it yourself if it is not needed"
+        )
+    # The commit record goes first: from then on the checkpoint is invalid for every reader.
+    storage.remove_file(storage.join(canon, COMMIT_RECORD))
+
+    def delete_remote() -> None:
+        n = storage.remove_files(doomed)
+        log.info("removed checkpoint %s (%d objects)", canon, n)
+
+    (run_in_background or _now)(delete_remote)
+    return True
+
+
+def _now(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+def clean_leftover(storage: Storage, final: str) -> int:
+    """Delete an object-store step folder's announced objects when it has no commit record."""
+    if storage.exists(storage.join(final, COMMIT_RECORD)):
+        return 0
+    announced, intents = read_intents(storage, final)
+    if not intents:
+        return 0
+    targets = {storage.join(final, rel) for rel in announced}
+    aborted = storage.abort_uploads(final, targets)
+    if aborted:
+        log.info("aborted %d unfinished uploads under %s", aborted, final)
+    present = {f.relpath for f in storage.walk(final)}
+    doomed = [storage.join(final, rel) for rel in sorted(announced & present)]
+    storage.remove_files(doomed + intents)
+    return len(doomed) + len(intents)
+
+
+def clean_save_folder(save_folder: str) -> list[str]:
+    """Delete leftovers of interrupted saves and removals that are provably ckptkeeper's; returns them."""
+    storage = storage_for(save_folder)
+    gone: list[str] = []
+    local = storage.local_path(save_folder)
+    names = storage.list_dir(save_folder)
+    if local is not None:
+        for name in names:
+            full = os.path.join(local, name)
+            if is_scratch_name(name) and os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+                gone.append(full)
+        return gone
+    for name in names:
+        if parse_step(name) is None:
+            continue
+        full = storage.join(save_folder, name)
+        try:
+            if clean_leftover(storage, full):
+                gone.append(full)
+        except (StorageError, CheckpointNotFoundError) as exc:
+            log.warning("could not clean up %s: %s", full, exc)
+    return gone
+
+
+# ---------------------------------------------------------------------- spools
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # The pid exists; where /proc tells start times, a different one means the pid was reused.
+    now = _start_time(pid)
+    return started is None or now is None or now == started
+
+
+def new_spool(spool_dir: str | None, kind: str) -> str:
+    """A fresh local spool folder, named and marked so a later process can tell when it is orphaned."""
+    base = spool_dir or tempfile.gettempdir()
+    sweep_dead_spools(base)
+    path = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-{kind}-", dir=base)
+    with open(os.path.join(path, ".owner.json"), "w") as f:
+        json.dump({"pid": os.getpid(), "started": _start_time(os.getpid())}, f)
+    return path
+
+
+def sweep_dead_spools(base: str) -> list[str]:
+    """Remove spool folders in ``base`` whose process is gone; returns them."""
+    gone: list[str] = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return gone
+    for name in names:
+        if not name.startswith(SPOOL_PREFIX):
+            continue
+        full = os.path.join(base, name)
+        try:
+            pid = int(name[len(SPOOL_PREFIX) :].split("-", 1)[0])
+            with open(os.path.join(full, ".owner.json"), "rb") as f:
+                owner = json.loads(f.read(4096))
+            started = owner.get("started") if owner.get("pid") == pid else None
+        except (ValueError, OSError, AttributeError):
+            continue  # not marked as ours: leave it
+        if pid != os.getpid() and not os.path.islink(full) and not _alive(pid, started):
+            shutil.rmtree(full, ignore_errors=True)
+            gone.append(full)
+    if gone:
+        log.info("removed %d spool folders of processes that are gone", len(gone))
+    return gone

@@ -1,0 +1,183 @@
+"""Loading a checkpoint so that nothing unverified is trusted and a failed load changes nothing.
+
+The order of a load:
+
+1. the commit record (self-checksummed, schema-checked) and every file's size;
+2. the small files (DCP ``.metadata``, trainer state) read whole, checked against the record's
+   size and checksum, and only then decoded (allow-listed unpickler, bounded JSON);
+3. the destination checked against DCP's metadata (names, shapes), before any tensor is written;
+4. tensors read in place, each backed up just before it is first written (:class:`Rollback`);
+   any failure puts the backed-up values back, so model, optimizer and extras are as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..storage.layout import MODEL_DIR, train_state_name
+from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, loads_bounded
+from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
+from .staging import Stager
+from .state import flatten_tensors
+
+__all__ = ["Rollback", "check_fit", "read_metadata", "read_train_state", "read_verified"]
+
+
+def read_verified(local: str, rel: str, entry: FileEntry, where: str, max_bytes: int) -> bytes:
+    """The bytes of one small checkpoint file, checked against its record entry before use.
+
+    The file is opened without following a final symlink and never read past the listed size.
+    """
+    if entry.bytes > max_bytes:
+        raise CorruptCheckpointError(
+            f"checkpoint {where} is corrupt: {rel} is listed with {entry.bytes} bytes, more than the "
+            f"{max_bytes} ckptkeeper reads for it"
+        )
+    try:
+        fd = os.open(os.path.join(local, rel), os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"checkpoint {where} is corrupt: missing file {rel}") from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"checkpoint {where}: cannot open {rel} ({exc.strerror})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(entry.bytes + 1)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"checkpoint {where}: cannot read {rel} ({exc.strerror})") from None
+    check_digest(where, rel, entry, data)
+    return data
+
+
+def read_train_state(local: str, rank: int, record: CommitRecord, where: str) -> tuple[dict[str, Any], bool]:
+    """(this rank's trainer-state document, whether it is rank 0's stand-in) after checking it."""
+    name = train_state_name(rank)
+    borrowed = False
+    if name not in record.files:
+        name, borrowed = train_state_name(0), True
+    if name not in record.files:
+        raise CorruptCheckpointError(f"checkpoint {where} is corrupt: its commit record lists no trainer state")
+    data = read_verified(local, name, record.files[name], where, MAX_STATE_BYTES)
+    doc = loads_bounded(data, f"{where}/{name}", max_bytes=MAX_STATE_BYTES, max_depth=64, allow_nonfinite=True)
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{where}/{name} is malformed (not a JSON object)")
+    for key, kind in (("train_state", dict), ("state_meta", dict)):
+        if not isinstance(doc.get(key, {}), kind):
+            raise CorruptCheckpointError(f"{where}/{name} is malformed ({key} is not a JSON object)")
+    return doc, borrowed
+
+
+def read_metadata(local: str, record: CommitRecord, where: str) -> Any:
+    """DCP's ``.metadata`` of the checkpoint, checksum-checked, then decoded without running code."""
+    rel = f"{MODEL_DIR}/.metadata"
+    if rel not in record.files:
+        raise CorruptCheckpointError(f"checkpoint {where} is corrupt: its commit record lists no {rel}")
+    data = read_verified(local, rel, record.files[rel], where, MAX_METADATA_BYTES)
+    data_files = [k[len(MODEL_DIR) + 1 :] for k in record.files if k.startswith(MODEL_DIR + "/")]
+    return safe_load_metadata(data, f"{where}/{rel}", data_files)
+
+
+def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)  # a DTensor's shape is the global one, as DCP's metadata records
+
+
+def check_fit(tensors: Mapping[str, Any], metadata: Any, where: str) -> bool:
+    """Check that every destination tensor is in the checkpoint with the same shape.
+
+    Raises CheckpointError naming the first key that is missing or differs (with both shapes),
+    before anything is read. Returns whether every dtype matches too (the fast reader needs it).
+    """
+    sd_meta = metadata.state_dict_metadata
+    same_dtypes = True
+    missing = []
+    for fqn, t in flatten_tensors(tensors):
+        md = sd_meta.get(fqn)
+        size = getattr(md, "size", None)
+        if size is None:
+            missing.append(fqn)
+            continue
+        if tuple(size) != _global_shape(t):
+            raise CheckpointError(
+                f"checkpoint {where} does not fit this model/optimizer: {fqn} has shape {list(size)} in the "
+                f"checkpoint and {list(_global_shape(t))} here; load it into the model it was saved from, or "
+                "start a fresh save folder"
+            )
+        if getattr(getattr(md, "properties", None), "dtype", None) != t.dtype:
+            same_dtypes = False
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint {where} does not fit this model/optimizer: it has no {missing[0]}{more}; load it into "
+            "the model it was saved from, or start a fresh save folder"
+        )
+    return same_dtypes
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Rollback:
+    """Backs up destination tensors just before they are overwritten, and puts them back on failure.
+
+    The backup lives in a :class:`Stager`'s buffers (the ones async saves reuse, so a load costs no
+    memory a save would not). With ``pipelined`` a background thread copies tensors in the order
+    the reader will need them, so the copy (memory speed) runs ahead of the reads (disk speed);
+    :meth:`before_write` blocks a reader only until its own tensor is safe.
+    """
+
+    def __init__(self, stager: Stager, tensors: Mapping[str, Any], order: Sequence[str] | None = None) -> None:
+        self._leaves = dict(flatten_tensors(tensors))
+        self._buffers = stager.buffers_for(tensors)
+        self._done = {name: threading.Event() for name in self._leaves}
+        self._copied: set[str] = set()
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        if order is not None:
+            self._order = list(order)
+            self._thread = threading.Thread(target=self._run, name="ckptkeeper-backup", daemon=True)
+            self._thread.start()
+        else:
+            for name in self._leaves:
+                self._copy(name)
+
+    def _copy(self, name: str) -> None:
+        self._buffers[name].copy_(_local(self._leaves[name]).detach())
+        self._copied.add(name)
+        self._done[name].set()
+
+    def _run(self) -> None:
+        try:
+            for name in self._order:
+                if self._stop:
+                    break
+                self._copy(name)
+        except BaseException as exc:  # surfaced by before_write in the reader threads
+            self._error = exc
+        finally:
+            for ev in self._done.values():
+                ev.set()
+
+    def before_write(self, name: str) -> None:
+        """Block until ``name`` is backed up (called by the reader just before writing it)."""
+        self._done[name].wait()
+        if name not in self._copied:
+            raise CheckpointError(f"could not back up {name} before loading into it: {self._error}")
+
+    def finish(self) -> None:
+        """Stop the background copy (after a load, successful or not)."""
+        self._stop = True
+        if self._thread is not None:
+            self._thread.join()
+
+    def restore(self) -> None:
+        """Put every backed-up tensor back as it was before the load."""
+        self.finish()
+        for name in self._copied:
+            _local(self._leaves[name]).detach().copy_(self._buffers[name])
