@@ -36,6 +36,7 @@ from .. import distributed as D
 from ..errors import (
     CheckpointError,
     CheckpointSaveError,
+    CkptkeeperError,
     ConfigurationError,
     CorruptCheckpointError,
     DiskFullError,
@@ -479,7 +480,12 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, path: str, state: TrainingState) -> dict[str, Any]:
+    def load(
+        self,
+        path: str,
+        state: TrainingState,
+        check_train_state: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
         """Load the checkpoint at ``path`` into ``state``; returns this rank's trainer state.
 
         Nothing from the checkpoint is used before it is checked: the commit record first, then
@@ -489,6 +495,9 @@ class Checkpointer:
         ``state`` is put back exactly as it was and the error is raised. Errors are
         :class:`CorruptCheckpointError` for a damaged checkpoint, plain :class:`CheckpointError`
         when it is intact but of another model.
+
+        ``check_train_state(train_state)`` runs before any tensor is touched; whatever it raises
+        (other than a CkptkeeperError) becomes a CorruptCheckpointError naming the file.
         """
         self._settle()
         storage = storage_for(path)
@@ -517,17 +526,33 @@ class Checkpointer:
 
                 record = agree(check, None, pg, load_error)[rank]
                 verified = self.verify_checksums and "layout" not in record.extra
-            return self._load_verified(path, local, record, state, verified)
+            return self._load_verified(path, local, record, state, verified, check_train_state)
         finally:
             if spool is not None:
                 shutil.rmtree(spool, ignore_errors=True)
 
     def _load_verified(
-        self, path: str, local: str, record: CommitRecord, state: TrainingState, verified: bool
+        self,
+        path: str,
+        local: str,
+        record: CommitRecord,
+        state: TrainingState,
+        verified: bool,
+        check_train_state: Callable[[dict[str, Any]], None] | None,
     ) -> dict[str, Any]:
         pg = self.process_group
         rank, world = D.get_rank(pg), D.get_world_size(pg)
         doc, borrowed = read_train_state(local, rank, record, path)
+        if check_train_state is not None:
+            try:
+                check_train_state(doc.get("train_state", {}))
+            except CkptkeeperError:
+                raise
+            except Exception as exc:
+                raise CorruptCheckpointError(
+                    f"checkpoint {path}: its trainer state is not usable ({type(exc).__name__}: {str(exc)[:200]}); "
+                    "load an earlier checkpoint or restore this one from a copy"
+                ) from None
         if borrowed:
             log.warning(
                 "checkpoint has no trainer state for rank %d (saved with %d ranks); using rank 0's",

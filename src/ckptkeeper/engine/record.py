@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptCheckpointError
-from ..storage.layout import COMMIT_RECORD, check_relpath
+from ..storage.layout import COMMIT_RECORD, MODEL_DIR, check_relpath, train_state_name
 
 __all__ = [
     "FORMAT_VERSION",
@@ -245,9 +245,17 @@ class CommitRecord:
         ephemeral = doc["ephemeral"]
         if type(ephemeral) is not bool:
             raise ValueError(f"ephemeral is {str(ephemeral)[:40]!r}, not true or false")
+        for needed in (f"{MODEL_DIR}/.metadata", train_state_name(0)):
+            if needed not in files:
+                raise ValueError(f"it does not list {needed}, which every checkpoint has")
         extra = doc.get("extra", {})
         if not isinstance(extra, dict):
             raise ValueError("'extra' is not a table")
+        layout = extra.get("layout")
+        if layout is not None and (
+            not isinstance(layout, dict) or not all(isinstance(v, list) and k in files for k, v in layout.items())
+        ):
+            raise ValueError("'extra.layout' is not a table of data files and their segments")
         return cls(
             step=_int(doc["step"], "step", 0, 1 << 62),
             ephemeral=ephemeral,

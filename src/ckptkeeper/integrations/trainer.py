@@ -111,6 +111,21 @@ def _py_rng_to_json(state: Any) -> list[Any]:
     return [version, list(internal), gauss]
 
 
+def _numpy_state() -> Any:
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    return np.random.get_state()
+
+
+def _restore_numpy_state(state: Any) -> None:
+    if state is not None:
+        import numpy as np
+
+        np.random.set_state(state)
+
+
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -283,6 +298,29 @@ class Trainer:
             "world_size": D.get_world_size(),
         }
 
+    def _check_train_state(self, ts: Mapping[str, Any]) -> None:
+        # Everything _apply_train_state will use, checked before any tensor is loaded: a trainer
+        # state that passed its checksum but cannot be applied must not leave a half-loaded model.
+        step = ts["global_step"]
+        if type(step) is not int or step < 0:
+            raise ValueError(f"global_step is {step!r}")
+        data = ts.get("data", {})
+        for key in ("epoch", "batch_in_epoch"):
+            if type(data.get(key, 0)) is not int or data.get(key, 0) < 0:
+                raise ValueError(f"data.{key} is {data.get(key)!r}")
+        saved = (random.getstate(), torch.get_rng_state())
+        np_saved = _numpy_state()
+        try:
+            _set_rng_state(ts["rng"])
+            if data.get("epoch_rng") is not None:
+                _set_rng_state(data["epoch_rng"])
+        finally:
+            random.setstate(saved[0])
+            torch.set_rng_state(saved[1])
+            _restore_numpy_state(np_saved)
+        if not isinstance(ts.get("callbacks", {}), Mapping):
+            raise ValueError("callbacks is not a table")
+
     def _apply_train_state(self, ts: Mapping[str, Any]) -> None:
         self.global_step = int(ts["global_step"])
         data = ts.get("data", {})
@@ -301,7 +339,7 @@ class Trainer:
 
     def load_checkpoint(self, path: str) -> None:
         """Load the checkpoint at ``path`` (model, optimizer, extras and trainer state)."""
-        ts = self.checkpointer.load(path, self.state)
+        ts = self.checkpointer.load(path, self.state, check_train_state=self._check_train_state)
         self._apply_train_state(ts)
         self.checkpoint_loaded = True
         self.loaded_from = path
