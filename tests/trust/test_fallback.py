@@ -1,0 +1,107 @@
+"""Resume falls back past any corrupt checkpoint, stops with a listing when none loads (starting
+fresh is an explicit opt-in), never trains on from a half-loaded model, and reports a failed
+async save once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptkeeper import Checkpointer, CheckpointerCallback, CorruptCheckpointError, state_digest
+from ckptkeeper.storage.layout import COMMIT_RECORD
+
+from ..helpers import forge, run_to_end, tiny_trainer
+
+
+def _cb() -> CheckpointerCallback:
+    return CheckpointerCallback(save_interval=3, save_async=False, pre_train_checkpoint=False)
+
+
+def _flip(path: Path, at: int = -50) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x04
+    path.write_bytes(bytes(raw))
+
+
+def test_every_checkpoint_bad_stops_with_a_listing_and_leaves_the_model_alone(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    assert run_to_end(tiny_trainer(str(folder), _cb(), 7, crash_at=6)) is False
+    _flip(folder / "step3" / "model_and_optim" / "__0_0.distcp")
+    _flip(folder / "step6" / "train" / "rank0.json", at=10)
+    t = tiny_trainer(str(folder), _cb(), 9)
+    fresh = state_digest(t.model, t.optimizer)
+    with pytest.raises(CorruptCheckpointError, match=r"none of the 2 checkpoints .*step3.*checksum.*step6.*rank0"):
+        t.fit()
+    assert state_digest(t.model, t.optimizer) == fresh and t.global_step == 0
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(folder))] == [3, 6]  # nothing deleted
+    # Opting in trains from scratch: from the model's own initial state, not a half-loaded one.
+    clean = tiny_trainer(str(tmp_path / "clean"), _cb(), 2)
+    clean.fit()
+    again = tiny_trainer(str(folder), _cb(), 2)
+    again.start_fresh_if_unloadable = True
+    again.fit()
+    assert again.start_step == 0 and state_digest(again.model, again.optimizer) == state_digest(
+        clean.model, clean.optimizer
+    )
+
+
+def test_a_record_that_no_longer_parses_counts_as_a_broken_checkpoint(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), _cb(), 3).fit()
+    (folder / "step3" / COMMIT_RECORD).write_text("{")
+    with pytest.raises(CorruptCheckpointError, match="none of the 1 checkpoints"):
+        tiny_trainer(str(folder), _cb(), 6).fit()
+
+
+def test_forged_trainer_state_falls_back_without_touching_the_model(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    clean = tiny_trainer(str(tmp_path / "clean"), _cb(), 9)
+    clean.fit()
+    assert run_to_end(tiny_trainer(str(folder), _cb(), 9, crash_at=7)) is False
+    ts_path = folder / "step6" / "train" / "rank0.json"
+    doc = json.loads(ts_path.read_text())
+    doc["train_state"]["global_step"] = "six"
+    forge(folder / "step6", "train/rank0.json", json.dumps(doc).encode())  # checksums match: only checks stop it
+    t = tiny_trainer(str(folder), _cb(), 9)
+    t.fit()
+    assert t.start_step == 3 and state_digest(t.model, t.optimizer) == state_digest(clean.model, clean.optimizer)
+
+
+def test_cli_resume_falls_back_past_a_planted_pickle_without_running_it(tmp_path: Path) -> None:
+    from .test_hostile_files import _Dotted
+
+    args = [sys.executable, "-m", "ckptkeeper", "-q", "train", "--save-folder", "run", "--save-interval", "5",
+            "--no-save-async", "--steps", "12"]  # fmt: skip
+    crashed = subprocess.run([*args, "--crash-at-step", "11"], cwd=tmp_path, capture_output=True, text=True)
+    assert crashed.returncode == 75
+    marker = tmp_path / "pwned"
+    payload = _Dotted("torch.distributed.checkpoint.filesystem", "os.system", f"touch {marker}").dumps()
+    forge(tmp_path / "run" / "step10", "model_and_optim/.metadata", payload)
+    resumed = subprocess.run([*args, "--report", "r.json"], cwd=tmp_path, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["start_step"] == 5
+    assert not marker.exists() and "Traceback" not in resumed.stderr
+
+
+def test_a_failed_async_save_is_reported_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from ckptkeeper import CheckpointSaveError
+
+    class Failing(Checkpointer):
+        def _write_tensors(self, *a, **k):  # type: ignore[no-untyped-def]
+            raise OSError(5, "Input/output error", "simulated")
+
+    t = tiny_trainer(
+        str(tmp_path / "run"),
+        CheckpointerCallback(save_interval=2, save_async=True, pre_train_checkpoint=False),
+        6,
+        checkpointer=Failing(),
+    )
+    with caplog.at_level(logging.INFO), pytest.raises(CheckpointSaveError, match="step 2"):
+        t.fit()
+    assert "nothing raised it earlier" not in caplog.text
+    assert caplog.text.count("Input/output error") <= 1
