@@ -16,6 +16,7 @@ RATIOS = {
     "save_vs_torch_save",
     "load_vs_raw_read",
     "load_vs_dcp",
+    "load_vs_unguarded",
     "peak_extra_mem_vs_state",
 }
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -11,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..engine import Checkpointer
+from ..storage import storage_for
 
 __all__ = ["add_parser", "run"]
 
@@ -32,8 +35,31 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+def _local_problem(path: str) -> str | None:
+    """Why a local save folder cannot be listed (None when it can, or when ``path`` is a URL).
+
+    Object-store prefixes are not folders: an empty listing of one is an answer, not an error.
+    """
+    local = storage_for(path).local_path(path)
+    if local is None:
+        return None
+    if not os.path.exists(local):
+        return f"{path} does not exist"
+    if not os.path.isdir(local):
+        return f"{path} is not a folder"
+    try:
+        os.listdir(local)
+    except PermissionError:
+        return f"{path} cannot be read (permission denied)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper ls``; returns the exit code."""
+    problem = _local_problem(args.path)
+    if problem is not None:
+        print(f"ckptkeeper ls: error: {problem}", file=sys.stderr)
+        return 1
     infos = Checkpointer().list_checkpoints(args.path)
     if args.json:
         rows = [

@@ -7,34 +7,64 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from .. import distributed as D
 from ..engine import Checkpointer, state_digest
 from ..errors import ConfigurationError
 from ..integrations import Callback, CheckpointerCallback, Trainer, build_builtin
+from ..policy.config import RemovalStrategy
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "int_in_range", "run"]
 
 log = logging.getLogger("ckptkeeper.train")
 
 CRASH_EXIT_CODE = 75
+MAX_SEED = 2**31 - 1  # numpy's seeds stop at 2**32 - 1, and each rank reseeds with seed + 1000 * rank
 
 
-def _opt_int(text: str) -> int | None:
+def int_in_range(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer from ``minimum`` (to ``maximum``); its error names the rule."""
+    rule = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer {rule}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer {rule}"  # what argparse calls the type in its own messages
+    return parse
+
+
+def _interval(text: str) -> int | None:
+    """A step count of at least 1, or ``none`` (off), as CheckpointPolicyConfig accepts."""
     if text.lower() == "none":
         return None
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'none', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}; use 'none' to turn it off")
+    return value
 
 
 def _steps_list(text: str) -> list[int]:
     try:
-        return [int(s) for s in text.split(",") if s.strip()]
+        steps = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated steps like 3,7,12, got {text!r}") from None
+    negative = [s for s in steps if s < 0]
+    if negative:
+        raise argparse.ArgumentTypeError(f"steps must be at least 0, got {negative[0]}")
+    return steps
 
 
 def _tri(text: str) -> bool | None:
@@ -48,19 +78,30 @@ def add_parser(sub: Any) -> None:
     """Register the ``train`` sub-command."""
     p = sub.add_parser("train", help="train the built-in model with checkpointing (rehearse crashes and resumes)")
     p.add_argument("--save-folder", required=True, help="path or URL of the save folder")
-    p.add_argument("--steps", type=int, required=True, help="train until this global step")
-    p.add_argument("--save-interval", type=_opt_int, default=250, help="permanent checkpoint interval, or none")
-    p.add_argument("--ephemeral-save-interval", type=_opt_int, default=None, help="ephemeral interval, or none")
-    p.add_argument("--ephemeral-cooldown", type=_opt_int, default=None, help="steps between a save and an ephemeral")
+    p.add_argument("--steps", type=int_in_range(0), required=True, help="train until this global step")
+    p.add_argument("--save-interval", type=_interval, default=250, help="permanent checkpoint interval, or none")
+    p.add_argument("--ephemeral-save-interval", type=_interval, default=None, help="ephemeral interval, or none")
+    p.add_argument("--ephemeral-cooldown", type=_interval, default=None, help="steps between a save and an ephemeral")
     p.add_argument("--fixed-steps", type=_steps_list, default=None, help="extra permanent steps, e.g. 3,7,12")
-    p.add_argument("--remove", default="ephemeral_only", help="ephemeral_only | all_non_permanent | never")
+    p.add_argument(
+        "--remove",
+        default=RemovalStrategy.ephemeral_only.value,
+        choices=[s.value for s in RemovalStrategy],
+        help="which checkpoints of earlier runs may be removed",
+    )
     p.add_argument("--pre-train-checkpoint", type=_tri, default=None, help="auto | true | false")
     p.add_argument("--save-async", dest="save_async", action="store_true", default=None)
     p.add_argument("--no-save-async", dest="save_async", action="store_false")
-    p.add_argument("--crash-at-step", type=int, default=None, help="exit abruptly right after this step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden", type=int, default=64, help="width of the built-in model")
+    p.add_argument("--crash-at-step", type=int_in_range(0), default=None, help="exit abruptly right after this step")
+    p.add_argument("--seed", type=int_in_range(0, MAX_SEED), default=0, help="seed of the model, data and RNGs")
+    p.add_argument("--hidden", type=int_in_range(1), default=64, help="width of the built-in model")
     p.add_argument("--report", default=None, help="write a JSON report here (rank 0)")
+    p.add_argument(
+        "--start-fresh-if-unloadable",
+        action="store_true",
+        help="when the save folder holds checkpoints and none of them loads, train from scratch instead of "
+        "stopping (the broken checkpoints are left where they are)",
+    )
     p.set_defaults(func=run)
 
 
@@ -95,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             fixed_steps=args.fixed_steps,
         )
     except ConfigurationError as exc:
-        print(f"ckptkeeper train: invalid setting: {exc}", file=sys.stderr)
+        print(f"ckptkeeper train: error: invalid setting: {exc}", file=sys.stderr)
         return 2
     started_group = D.init_from_env()
     try:
@@ -130,6 +171,7 @@ def _train(args: argparse.Namespace, cb: CheckpointerCallback) -> int:
         max_steps=args.steps,
         callbacks=callbacks,
         checkpointer=Checkpointer(),
+        start_fresh_if_unloadable=args.start_fresh_if_unloadable,
     )
     trainer.fit()
     if trainer.checkpoint_loaded and trainer.start_step >= args.steps and D.get_rank() == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -27,8 +28,10 @@ __all__ = [
     "get_world_size",
     "init_from_env",
     "is_distributed",
+    "lost_peer",
     "new_cpu_group",
     "on_rank0",
+    "peer_lost",
     "shutdown",
     "shutdown_abruptly",
 ]
@@ -36,6 +39,21 @@ __all__ = [
 T = TypeVar("T")
 
 SHARED_FS_ENV = ("CKPTKEEPER_SHARED_FS", "OLMO_SHARED_FS")
+
+# What gloo (and NCCL) say when a collective fails because another process vanished or went silent,
+# as opposed to a failure of this process's own: lower-case fragments of their messages.
+_PEER_LOST_MARKERS = (
+    "connection reset",
+    "connection closed",
+    "closed by peer",
+    "connection refused",
+    "broken pipe",
+    "socket closed",
+    "timed out",
+    "remote process exited",
+)
+# The peer's address in gloo's message, e.g. "Read error [127.0.0.1]:41659: Connection reset by peer".
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
 
 
 def is_distributed() -> bool:
@@ -158,6 +176,31 @@ def all_agree(flag: bool, group: Any = None) -> bool:
     if not is_distributed():
         return flag
     return all(all_gather_object(bool(flag), group=group))
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank died or stopped answering."""
+    if not isinstance(exc, RuntimeError):  # gloo and NCCL raise DistBackendError, a RuntimeError
+        return False
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_LOST_MARKERS)
+
+
+def lost_peer(exc: BaseException, group: Any = None) -> tuple[int | None, str | None]:
+    """For a :func:`peer_lost` failure: the rank (in ``group``) that stopped answering, and its address.
+
+    Either may be None when it cannot be told: the rank is known for certain only in a group of two
+    (the other one); gloo's message usually names the address of the peer whose connection failed.
+    """
+    rank: int | None = None
+    if is_distributed() and get_world_size(group) == 2:
+        rank = 1 - get_rank(group)
+    address = None
+    match = _PEER_ADDRESS.search(str(exc))
+    if match:
+        host, port = match.groups()
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return rank, address
 
 
 def shutdown_abruptly() -> None:

@@ -2,7 +2,9 @@
 
 Every step of a multi-rank save or load is one call to :func:`agree`: each rank runs its part,
 then all ranks exchange outcomes in exactly one collective, whatever happened locally. A failure
-anywhere therefore becomes an error on every rank, naming the rank that failed.
+anywhere therefore becomes an error on every rank, naming the rank that failed. A rank that dies
+or hangs cannot report anything: the exchange itself fails on the others, and they say which rank
+stopped answering (see :func:`lost_rank_error`) rather than relaying the transport's complaint.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["agree", "load_error", "save_error", "unwrap"]
+__all__ = ["agree", "load_error", "lost_rank_error", "save_error", "unwrap"]
 
 T = TypeVar("T")
 
@@ -49,6 +51,29 @@ def load_error(rank: int, kind: str, msg: str, step: int | None) -> BaseExceptio
     return cls(f"on rank {rank}: {msg}")
 
 
+def lost_rank_error(exc: BaseException, step: int | None, group: Any, loading: bool = False) -> CheckpointError:
+    """The error a rank raises when the exchange failed because another rank stopped answering.
+
+    ``exc`` is the collective's own failure (kept as the cause). With two ranks the silent one is
+    the other one; with more, the message says so when it cannot be told which.
+    """
+    lost, address = D.lost_peer(exc, group)
+    who = f"rank {lost}" if lost is not None else f"another rank (not this rank {D.get_rank(group)})"
+    if "timed out" in str(exc).lower():
+        seen = "this rank timed out waiting for it"
+    else:
+        seen = f"this rank lost its connection to {address}" if address else "this rank lost its connection to it"
+    what = "the load" if loading else "the save"
+    logs = f"rank {lost}'s log" if lost is not None else "the other ranks' logs"
+    problem = f"{who} stopped answering during {what} (it crashed, was killed or hangs; {seen})"
+    if loading:
+        return CheckpointError(f"{problem}; see {logs} for why, then restart the job")
+    return CheckpointSaveError(
+        f"step {step}: {problem}, so the checkpoint was not committed; see {logs} for why, then restart "
+        "the job: it resumes from the last complete checkpoint"
+    )
+
+
 def agree(
     fn: Callable[[], T],
     step: int | None,
@@ -70,7 +95,15 @@ def agree(
             raise error
         return [cast(T, result)]
     failure = None if error is None else (type(unwrap(error)).__name__, str(unwrap(error)))
-    outcomes = D.all_gather_object((failure, None if error is not None else result), group=group)
+    outcomes: list[Any] = []
+    try:
+        outcomes = D.all_gather_object((failure, None if error is not None else result), group=group)
+    except RuntimeError as exc:
+        if not D.peer_lost(exc):
+            raise
+        if error is None or D.peer_lost(unwrap(error)):
+            raise lost_rank_error(exc, step, group, loading=make_error is load_error) from exc
+        # Otherwise this rank's own failure is the news, whatever became of the others: raised below.
     if error is not None:
         raise error
     for r, (fail, _) in enumerate(outcomes):
