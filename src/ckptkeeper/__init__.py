@@ -9,16 +9,9 @@ Quick use::
             max_steps=10_000, callbacks=[cb]).fit()
 """
 
-from .engine import (
-    Checkpointer,
-    CheckpointInfo,
-    CommitRecord,
-    SaveFolderLease,
-    SaveResult,
-    Stateful,
-    TrainingState,
-    state_digest,
-)
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,11 +25,50 @@ from .errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from .integrations import Callback, CheckpointerCallback, CheckpointEvent, Trainer
-from .policy import CheckpointPolicyConfig, RemovalStrategy
-from .storage import Storage, storage_for
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from .engine import (
+        Checkpointer,
+        CheckpointInfo,
+        CommitRecord,
+        SaveFolderLease,
+        SaveResult,
+        Stateful,
+        TrainingState,
+        state_digest,
+    )
+    from .integrations import Callback, CheckpointerCallback, CheckpointEvent, Trainer
+    from .policy import CheckpointPolicyConfig, RemovalStrategy
+    from .storage import Storage, storage_for
+
+# Names are imported on first use (PEP 562): `ckptkeeper --help` and `ckptkeeper ls` must not pay
+# for importing torch before they know whether they need it.
+_LAZY = {
+    **dict.fromkeys(
+        ("Checkpointer", "CheckpointInfo", "CommitRecord", "SaveFolderLease", "SaveResult", "Stateful",
+         "TrainingState", "state_digest"),
+        "engine",
+    ),
+    **dict.fromkeys(("Callback", "CheckpointerCallback", "CheckpointEvent", "Trainer"), "integrations"),
+    **dict.fromkeys(("CheckpointPolicyConfig", "RemovalStrategy"), "policy"),
+    **dict.fromkeys(("Storage", "storage_for"), "storage"),
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptkeeper' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "Callback",

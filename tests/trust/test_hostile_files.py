@@ -7,8 +7,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +161,11 @@ def test_downloads_never_write_outside_the_spool(tmp_path: Path, monkeypatch: py
         '{"format": "ckptkeeper", "version": 1, "files": {"x": {"bytes": ' + "9" * 5000 + "}}}",
     ],
 )
-def test_hostile_commit_records_never_break_listing_or_resume(tmp_path: Path, doc: str) -> None:
+def test_hostile_commit_records_never_break_listing_or_resume(
+    tmp_path: Path, doc: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptkeeper.cli import main
+
     ckpt = Checkpointer()
     ckpt.save(str(tmp_path), 1, _state())
     ckpt.save(str(tmp_path), 2, _state())
@@ -172,9 +174,9 @@ def test_hostile_commit_records_never_break_listing_or_resume(tmp_path: Path, do
     assert [i.complete for i in infos] == [True, False]
     with pytest.raises(CorruptCheckpointError):
         ckpt.verify(str(tmp_path / "step2"))
-    out = subprocess.run([sys.executable, "-m", "ckptkeeper", "ls", str(tmp_path), "--json"], capture_output=True)
-    assert out.returncode == 0 and "Traceback" not in out.stderr.decode()
-    assert [r["complete"] for r in json.loads(out.stdout)] == [True, False]
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    assert [r["complete"] for r in json.loads(capsys.readouterr().out)] == [True, False]
     with pytest.raises(CorruptCheckpointError):
         ckpt.load(str(tmp_path / "step2"), _state(5))
     ckpt.load(str(tmp_path / "step1"), _state(5))
@@ -256,3 +258,106 @@ def test_symlinked_files_inside_a_checkpoint_are_not_followed(tmp_path: Path) ->
     assert not ckpt.dir_is_checkpoint(str(tmp_path / "step1"))
     with pytest.raises(CorruptCheckpointError, match=r"missing file train/rank0\.json"):
         ckpt.load(str(tmp_path / "step1"), _state())
+
+
+def _plant_bytes_item(step: Path, marker: Path, disguise: bool) -> None:
+    """Swap a model tensor's DCP entry for a pickled "bytes" item that runs a command when read."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    md = pickle.loads((step / "model_and_optim" / ".metadata").read_bytes())  # our own file, read by the test
+    fqn = "model.0.weight"
+    entry = BytesStorageMetadata()
+    if disguise:  # attributes added by BUILD so that a shape check would pass
+        entry.__dict__["size"] = md.state_dict_metadata[fqn].size
+        entry.__dict__["properties"] = md.state_dict_metadata[fqn].properties
+    md.state_dict_metadata[fqn] = entry
+    for k in [k for k in md.storage_data if k.fqn == fqn]:
+        del md.storage_data[k]
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    payload = pickle.dumps(Evil())
+    md.storage_data[MetadataIndex(fqn)] = _StorageInfo("evil.distcp", 0, len(payload))
+    forge(step, "model_and_optim/evil.distcp", payload)
+    rec = CommitRecord.from_json((step / COMMIT_RECORD).read_bytes(), "x")
+    extra = {k: v for k, v in rec.extra.items() if k != "layout"}  # force DCP's own reader
+    forge(step, "model_and_optim/.metadata", pickle.dumps(md), extra=extra)
+
+
+@pytest.mark.parametrize("disguise", [True, False], ids=["disguised", "plain"])
+def test_a_pickled_bytes_item_in_a_data_file_never_runs(tmp_path: Path, disguise: bool) -> None:
+    # Found by an outside attack: DCP reads non-tensor items with torch.load(weights_only=False).
+    ckpt = Checkpointer()
+    ckpt.save(str(tmp_path), 1, _state())
+    marker = tmp_path / "pwned"
+    _plant_bytes_item(tmp_path / "step1", marker, disguise)
+    dst = _state(4)
+    before = _fingerprint(dst)
+    with pytest.raises(CorruptCheckpointError):
+        ckpt.load(str(tmp_path / "step1"), dst)
+    with pytest.raises(CorruptCheckpointError):
+        ckpt.verify(str(tmp_path / "step1"))
+    assert not marker.exists() and _fingerprint(dst) == before
+
+
+def test_the_load_planner_refuses_to_unpickle_any_bytes_item() -> None:
+    import io
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from ckptkeeper.engine.safe_metadata import SafeLoadPlanner
+
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex("x"), torch.Size([0]), MetadataIndex("x"),
+                    torch.Size([0]), torch.Size([0]))  # fmt: skip
+    with pytest.raises(UnsafeCheckpointError, match="non-tensor item"):
+        SafeLoadPlanner().load_bytes(item, io.BytesIO(pickle.dumps(os.getpid)))
+
+
+def _build_on_class(cls_mod: str, cls_name: str, attr: str, fn_mod: str, fn_name: str) -> bytes:
+    """GLOBAL cls; BUILD (None, {attr: fn}): pickle then does setattr(cls, attr, fn) on the class itself."""
+    p = b"\x80\x02c" + cls_mod.encode() + b"\n" + cls_name.encode() + b"\nN}"
+    p += b"X" + len(attr).to_bytes(4, "little") + attr.encode()
+    p += b"c" + fn_mod.encode() + b"\n" + fn_name.encode() + b"\ns\x86b."
+    return p
+
+
+@pytest.mark.parametrize(
+    ("cls_mod", "cls_name", "attr"),
+    [
+        ("pathlib", "PurePosixPath", "__truediv__"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "__eq__"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex", "__hash__"),
+        ("torch.serialization", "_get_layout", "cache"),
+    ],
+)
+def test_a_refused_pickle_cannot_patch_allowed_classes_for_the_process(
+    tmp_path: Path, cls_mod: str, cls_name: str, attr: str
+) -> None:
+    # Found by an outside attack: BUILD on an allowed class changed it for every later caller.
+    import pathlib
+
+    import torch.serialization
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    before = {
+        "path": str(pathlib.PurePosixPath("/tmp") / "x"),
+        "eq": filesystem._StorageInfo.__eq__,
+        "hash": metadata.MetadataIndex.__hash__,
+        "layout_attrs": dict(vars(torch.serialization._get_layout)),
+    }
+    ckpt = Checkpointer()
+    ckpt.save(str(tmp_path), 1, _state())
+    Checkpointer().save(str(tmp_path / "b"), 2, _state(1))
+    forge(tmp_path / "step1", "model_and_optim/.metadata",
+          _build_on_class(cls_mod, cls_name, attr, "torch.serialization", "_get_layout"))  # fmt: skip
+    with pytest.raises(CorruptCheckpointError):
+        ckpt.load(str(tmp_path / "step1"), _state(3))
+    assert str(pathlib.PurePosixPath("/tmp") / "x") == before["path"]
+    assert filesystem._StorageInfo.__eq__ is before["eq"]
+    assert metadata.MetadataIndex.__hash__ is before["hash"]
+    assert dict(vars(torch.serialization._get_layout)) == before["layout_attrs"]
+    ckpt.load(str(tmp_path / "b" / "step2"), _state(3))  # later loads are unaffected

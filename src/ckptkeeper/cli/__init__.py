@@ -1,4 +1,9 @@
-"""The ``ckptkeeper`` command: ``train`` (the built-in model, for demos and rehearsals), ``ls`` and ``bench``.
+"""The ``ckptkeeper`` command: look after checkpoints without writing Python.
+
+``ls``, ``inspect``, ``verify``, ``rm``, ``prune``, ``cp`` and ``export`` operate on save folders
+and checkpoints on any store; ``train`` (the built-in model, for demos and rehearsals) and
+``bench`` (measurements) exercise the library. Every command module imports only what its
+parser needs; heavy imports (torch) happen when a command runs, so ``--help`` is instant.
 
 A user's mistake (a bad flag, a bad environment variable, a missing folder) ends the command with
 one line on stderr that names it, and a non-zero exit code; a traceback means a bug in ckptkeeper.
@@ -12,8 +17,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from .._version import __version__
 from ..errors import CkptkeeperError
-from . import bench, ls, train
+from . import bench, cp, export, inspect, ls, prune, rm, train, verify
 
 __all__ = ["main"]
 
@@ -30,20 +36,41 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _verbosity(parser: argparse.ArgumentParser, default: object) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", action="store_true", default=default, help="only warnings and errors")
+    group.add_argument("-v", "--verbose", action="store_true", default=default, help="debug messages too")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (every sub-command with its flags)."""
+    parser = _Parser(
+        prog="ckptkeeper",
+        description="Keep the checkpoints of PyTorch training runs: list, inspect, verify, copy, prune and "
+        "export them on local disk, S3 (s3://) and GCS (gs://).",
+        epilog="Run 'ckptkeeper COMMAND --help' for a command's flags. Exit codes: 0 success, 1 failure "
+        "(a user error or a failed check), 2 bad arguments, 130 interrupted.",
+    )
+    parser.add_argument("--version", action="version", version=f"ckptkeeper {__version__}")
+    _verbosity(parser, False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (ls, inspect, verify, rm, prune, cp, export, train, bench):
+        module.add_parser(sub)
+    for p in sub.choices.values():
+        # -q/-v also after the sub-command; SUPPRESS keeps the value given before it.
+        _verbosity(p, argparse.SUPPRESS)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ckptkeeper`` command; returns the exit code."""
-    parser = _Parser(prog="ckptkeeper", description="Keep the checkpoints of PyTorch training runs.")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train.add_parser(sub)
-    ls.add_parser(sub)
-    bench.add_parser(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not args.verbose:
+        # Client libraries are chatty at INFO (every retry, every connection); -v shows them.
+        for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "gcsfs", "fsspec", "aiohttp"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     # Only ckptkeeper's own errors (which name the problem and the fix) and Ctrl-C become one line:
     # anything else is a bug, and its traceback is what a bug report needs.
     try:

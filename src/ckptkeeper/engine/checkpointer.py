@@ -57,7 +57,7 @@ from .discovery import CheckpointInfo
 from .fastio import DATA_FILE, Segment, can_use_fast_path, load_order, parse_layout, read_fast, write_fast
 from .loader import Rollback, check_fit, read_metadata, read_train_state
 from .record import CommitRecord, FileEntry, hash_file
-from .safe_metadata import SafeFileSystemReader
+from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .staging import Stager
 from .state import TrainingState, flatten_tensors
 
@@ -482,7 +482,11 @@ class Checkpointer:
         return found[-1][1] if found else None
 
     def verify(self, path: str, checksums: bool = True) -> CommitRecord:
-        """Check every file of a checkpoint against its commit record; raises CorruptCheckpointError."""
+        """Check every file of a checkpoint against its commit record; raises CorruptCheckpointError.
+
+        An OLMo-core checkpoint has no checksums: what can be checked is (see :func:`discovery.verify`),
+        and its :class:`~ckptkeeper.engine.discovery.OlmoCoreRecord` is returned (``flavor``, ``note``).
+        """
         return discovery.verify(path, checksums)
 
     # ------------------------------------------------------------------ loading
@@ -505,6 +509,13 @@ class Checkpointer:
 
         ``check_train_state(train_state)`` runs before any tensor is touched; whatever it raises
         (other than a CkptkeeperError) becomes a CorruptCheckpointError naming the file.
+
+        An OLMo-core checkpoint (no commit record, no checksums) is checked as far as it can be
+        (DCP metadata through the allow-list, file sizes, with ``verify_checksums`` the CRC-32
+        inside each ``torch.save`` record); model and optimizer tensors are loaded the same way,
+        the optimizer's hyper-parameters and extras keep their current values, and the trainer
+        state returned is OLMo-core's ``train/rank{R}.pt`` (rank 0's when there is none for this
+        rank), read with ``torch.load(weights_only=True)`` and turned into plain data.
         """
         self._settle()
         storage = storage_for(path)
@@ -524,7 +535,7 @@ class Checkpointer:
                 # One filesystem: rank 0 checks every file's size, the others take its verdict.
                 def check() -> CommitRecord:
                     if rank != 0:
-                        return self.read_record(path)
+                        return discovery.read_any_record(path)
                     record = discovery.verify(path, checksums=False, structure=False)
                     # Fast-path files are checked segment by segment while they are read.
                     if self.verify_checksums and "layout" not in record.extra:
@@ -549,7 +560,12 @@ class Checkpointer:
     ) -> dict[str, Any]:
         pg = self.process_group
         rank, world = D.get_rank(pg), D.get_world_size(pg)
-        doc, borrowed = read_train_state(local, rank, record, path)
+        olmo = isinstance(record, discovery.OlmoCoreRecord)
+        if isinstance(record, discovery.OlmoCoreRecord):
+            olmo_state, borrowed = discovery.read_olmo_train_state(local, rank, record, path)
+            doc: dict[str, Any] = {"train_state": olmo_state}
+        else:
+            doc, borrowed = read_train_state(local, rank, record, path)
         if check_train_state is not None:
             try:
                 check_train_state(doc.get("train_state", {}))
@@ -566,7 +582,10 @@ class Checkpointer:
                 rank,
                 record.world_size,
             )
-        metadata = read_metadata(local, record, path)
+        if isinstance(record, discovery.OlmoCoreRecord):
+            metadata = discovery.check_olmo_core(local, record, path)
+        else:
+            metadata = read_metadata(local, record, path)
         tensors, old_meta = state.capture()
         same_dtypes = check_fit(tensors, metadata, path)
         layout = record.extra.get("layout")
@@ -590,7 +609,7 @@ class Checkpointer:
         elif not verified:
             # No memory for a backup: read every byte once to check it before anything is written.
             log.info("the load's backup would exceed the staging budget; verifying %s before loading", path)
-            discovery.verify_checksums(local, record)
+            discovery.verify_checksums(local, record, path)
         meta_touched = False
         try:
             if by_fqn is not None:
@@ -607,12 +626,14 @@ class Checkpointer:
                 with _quiet_dcp():
                     dcp_load(
                         tensors,
-                        storage_reader=SafeFileSystemReader(os.path.join(local, MODEL_DIR), data_files),
+                        storage_reader=SafeFileSystemReader(os.path.join(local, MODEL_DIR), data_files, olmo_core=olmo),
+                        planner=SafeLoadPlanner(),
                         process_group=pg,
                         no_dist=world == 1,
                     )
             meta_touched = True
-            state.restore(tensors, doc.get("state_meta", {}))
+            # OLMo-core keeps hyper-parameters as pickles (not read): the current ones stay.
+            state.restore(tensors, old_meta if olmo else doc.get("state_meta", {}))
         except (Exception, CheckpointException) as raw:
             if guard is not None:
                 guard.restore()
@@ -647,7 +668,10 @@ class Checkpointer:
             concurrent.futures.wait([fut])
 
     def _download(self, storage: Storage, path: str, spool: str) -> CommitRecord:
-        record = self.read_record(path)
+        # OLMo-core checkpoints have no record to list their files: every file of the step folder
+        # is fetched (its listed size checked), then checked as far as it can be, locally.
+        record = discovery.read_any_record(path)
+        olmo = isinstance(record, discovery.OlmoCoreRecord)
         names = sorted(record.files)
         root = os.path.realpath(spool)
 
@@ -661,11 +685,19 @@ class Checkpointer:
                 storage.download(storage.join(path, rel), dst)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"checkpoint {path} is corrupt: missing file {rel}") from None
+            if olmo:
+                discovery.check_file(path, rel, record.files[rel], os.lstat(dst).st_size, None)
+                return
             size, digest = hash_file(dst, follow_links=False)
             discovery.check_file(path, rel, record.files[rel], size, digest if self.verify_checksums else None)
 
         with ThreadPoolExecutor(max_workers=self.upload_threads) as pool:
             list(pool.map(fetch, names))
+        if isinstance(record, discovery.OlmoCoreRecord):
+            if self.verify_checksums:
+                discovery.verify_checksums(spool, record, path)  # the CRC-32s, after the structure
+            else:
+                discovery.check_olmo_core(spool, record, path)
         return record
 
     # ------------------------------------------------------------------ removal

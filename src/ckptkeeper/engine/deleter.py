@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ from ..storage.layout import (
     scratch_name,
 )
 from ..storage.local import fsync_dir
+from .metrics import emit
 from .record import CommitRecord, loads_bounded
 
 __all__ = [
@@ -162,8 +164,10 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
             os.unlink(os.path.join(trash, COMMIT_RECORD))
 
         def delete_local() -> None:
+            t0 = time.perf_counter()
+            files, size = _count(trash)
             shutil.rmtree(trash, ignore_errors=True)
-            log.info("removed checkpoint %s", local)
+            emit("remove", path=local, step=step, files=files, bytes=size, seconds=time.perf_counter() - t0, retries=0)
 
         (run_in_background or _now)(delete_local)
         return True
@@ -179,11 +183,24 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
     storage.remove_file(storage.join(canon, COMMIT_RECORD))
 
     def delete_remote() -> None:
+        t0 = time.perf_counter()
+        before = getattr(storage, "retries", 0)
         n = storage.remove_files(doomed)
-        log.info("removed checkpoint %s (%d objects)", canon, n)
+        emit("remove", path=canon, step=step, files=n, bytes=None, seconds=time.perf_counter() - t0,
+             retries=getattr(storage, "retries", 0) - before)  # fmt: skip
 
     (run_in_background or _now)(delete_remote)
     return True
+
+
+def _count(folder: str) -> tuple[int, int]:
+    files = size = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                size += os.lstat(os.path.join(dirpath, name)).st_size
+                files += 1
+    return files, size
 
 
 def _now(fn: Callable[[], Any]) -> Any:

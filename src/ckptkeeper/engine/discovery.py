@@ -3,17 +3,35 @@
 A checkpoint is complete if and only if its commit record exists and parses, and every file it
 lists exists with the listed size; that check is cheap (one listing). Checksums are checked by
 :func:`verify` (reads every file) and while loading.
+
+Save folders written by OLMo-core are recognised too. Its step folders hold a marker in place of
+the commit record (``.metadata.json`` = ``{"ephemeral": bool, "version": str}``, nothing else),
+DCP files under ``model_and_optim/`` whose ``.metadata`` pickles OLMo-core's own storage-info
+class, and ``train/rank{R}.pt`` (``torch.save``). Such a folder is an OLMo-core checkpoint
+(:class:`OlmoCoreRecord`, flavor ``"olmo-core"``): complete when its DCP metadata decodes through
+the allow-list, every data file it names holds the bytes it points at, and ``train/rank0.pt``
+exists. There are no checksums to check; :func:`verify` checks the structure, the sizes, the
+trainer states (read with ``torch.load(weights_only=True)``) and the CRC-32 that ``torch.save``
+keeps inside each record of the data files.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import re
 import tempfile
+import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from ..errors import CheckpointError, CheckpointNotFoundError, CkptkeeperError, CorruptCheckpointError
 from ..storage import storage_for
-from ..storage.layout import COMMIT_RECORD, MODEL_DIR, TRAIN_DIR, parse_step
+from ..storage.layout import COMMIT_RECORD, MODEL_DIR, TRAIN_DIR, check_relpath, parse_step
 from .record import (
     MAX_RECORD_BYTES,
     MAX_STATE_BYTES,
@@ -25,15 +43,40 @@ from .record import (
 )
 
 __all__ = [
+    "FLAVOR_CKPTKEEPER",
+    "FLAVOR_OLMO_CORE",
+    "OLMO_CORE_NOTE",
     "CheckpointInfo",
+    "OlmoCoreRecord",
     "check_file",
+    "check_olmo_core",
+    "flavor_of",
     "inspect",
     "list_checkpoints",
+    "parse_olmo_marker",
+    "read_any_record",
+    "read_metadata_of",
+    "read_olmo_train_state",
     "read_record",
+    "read_small",
     "verify",
     "verify_checksums",
+    "verify_note",
     "verify_structure",
 ]
+
+FLAVOR_CKPTKEEPER = "ckptkeeper"
+FLAVOR_OLMO_CORE = "olmo-core"
+OLMO_CORE_NOTE = (
+    "OLMo-core checkpoint: no checksums recorded; checked its structure, file sizes, trainer state and the "
+    "CRC-32 inside each torch.save record"
+)
+"""What :func:`verify_note` says of an OLMo-core checkpoint."""
+
+_OLMO_META = f"{MODEL_DIR}/.metadata"
+_OLMO_TRAIN_RE = re.compile(r"^train/rank(0|[1-9][0-9]{0,6})\.pt$")
+_MAX_MARKER_BYTES = 64 << 10
+_NO_CHECKSUM = ""
 
 
 @dataclass(frozen=True)
@@ -47,13 +90,56 @@ class CheckpointInfo:
     bytes: int
     created_unix: float | None
     problem: str | None = None
+    flavor: str = FLAVOR_CKPTKEEPER
+    """``"ckptkeeper"``, or ``"olmo-core"`` for a checkpoint written by OLMo-core."""
 
 
-def read_record(path: str, size: int | None = None) -> CommitRecord:
-    """The commit record of the checkpoint at ``path``; CheckpointNotFoundError when there is none.
+@dataclass(frozen=True)
+class OlmoCoreRecord(CommitRecord):
+    """An OLMo-core checkpoint, presented as a commit record that has no checksums.
 
-    ``size`` (from a listing) lets an oversized record be refused before it is read.
+    ``step`` comes from the folder name, ``ephemeral`` from OLMo-core's marker, ``world_size``
+    from the ``train/rank{R}.pt`` files, ``files`` from a listing of the step folder (every file
+    but the marker, with its size; ``xxh3_64`` is empty: OLMo-core records none). It is never
+    written anywhere (:meth:`to_json` raises).
     """
+
+    olmo_core_version: str = ""
+    flavor: str = FLAVOR_OLMO_CORE
+    note: str = OLMO_CORE_NOTE
+
+    def to_json(self) -> bytes:
+        raise CheckpointError(
+            "an OLMo-core checkpoint has no ckptkeeper commit record to write; copy its marker (.metadata.json) instead"
+        )
+
+
+def flavor_of(record: CommitRecord | None) -> str:
+    """``"olmo-core"`` for an :class:`OlmoCoreRecord`, else ``"ckptkeeper"``."""
+    return FLAVOR_OLMO_CORE if isinstance(record, OlmoCoreRecord) else FLAVOR_CKPTKEEPER
+
+
+def parse_olmo_marker(data: bytes) -> tuple[bool, str] | None:
+    """(ephemeral, OLMo-core version) when ``data`` is exactly OLMo-core's checkpoint marker, else None.
+
+    The marker is a JSON object with only ``ephemeral`` (true or false) and ``version`` (a string).
+    """
+    if len(data) > _MAX_MARKER_BYTES:
+        return None
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or set(doc) != {"ephemeral", "version"}:
+        return None
+    ephemeral, version = doc["ephemeral"], doc["version"]
+    if type(ephemeral) is not bool or not isinstance(version, str) or len(version) > 200:
+        return None
+    return ephemeral, version
+
+
+def _read_marker(path: str, size: int | None = None) -> bytes:
+    """The bytes of ``step{N}/.metadata.json`` (commit record or OLMo-core marker), bounded."""
     storage = storage_for(path)
     where = storage.join(path, COMMIT_RECORD)
     if size is not None and size > MAX_RECORD_BYTES:
@@ -63,13 +149,59 @@ def read_record(path: str, size: int | None = None) -> CommitRecord:
         )
     try:
         local = storage.local_path(where)
-        data = _read_local_small(local, MAX_RECORD_BYTES) if local is not None else storage.read_bytes(where)
+        return _read_local_small(local, MAX_RECORD_BYTES) if local is not None else storage.read_bytes(where)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"no complete checkpoint at {path} (its commit record {COMMIT_RECORD} is missing); "
             "pass a step folder listed as complete by `ckptkeeper ls`"
         ) from None
-    return CommitRecord.from_json(data, where)
+
+
+def read_record(path: str, size: int | None = None) -> CommitRecord:
+    """The commit record of the ckptkeeper checkpoint at ``path``; CheckpointNotFoundError when there is none.
+
+    ``size`` (from a listing) lets an oversized record be refused before it is read. An OLMo-core
+    checkpoint has no commit record: a plain CheckpointError says so (see :func:`read_any_record`).
+    """
+    data = _read_marker(path, size)
+    if parse_olmo_marker(data) is not None:
+        raise CheckpointError(
+            f"{path} is an OLMo-core checkpoint: its {COMMIT_RECORD} is OLMo-core's marker, not a ckptkeeper "
+            "commit record"
+        )
+    return CommitRecord.from_json(data, storage_for(path).join(path, COMMIT_RECORD))
+
+
+def read_any_record(path: str) -> CommitRecord:
+    """The commit record at ``path``, or for an OLMo-core checkpoint its :class:`OlmoCoreRecord`.
+
+    Nothing beyond the record (or marker) is checked; :func:`inspect` and :func:`verify` do that.
+    """
+    data = _read_marker(path)
+    marker = parse_olmo_marker(data)
+    if marker is None:
+        return CommitRecord.from_json(data, storage_for(path).join(path, COMMIT_RECORD))
+    storage = storage_for(path)
+    return _olmo_record(path, marker, {f.relpath: f.size for f in storage.walk(path)})
+
+
+def _olmo_record(path: str, marker: tuple[bool, str], sizes: dict[str, int]) -> OlmoCoreRecord:
+    ephemeral, version = marker
+    ranks = sorted(int(m.group(1)) for rel in sizes if (m := _OLMO_TRAIN_RE.match(rel)))
+    files = {
+        rel: FileEntry(size, _NO_CHECKSUM)
+        for rel, size in sorted(sizes.items())
+        if rel != COMMIT_RECORD and check_relpath(rel) is None
+    }
+    return OlmoCoreRecord(
+        step=parse_step(path) or 0,
+        ephemeral=ephemeral,
+        world_size=ranks[-1] + 1 if ranks else 1,
+        files=files,
+        created_unix=0.0,  # OLMo-core records no creation time
+        version=0,
+        olmo_core_version=version,
+    )
 
 
 def _read_local_small(path: str, limit: int) -> bytes:
@@ -85,14 +217,30 @@ def _read_local_small(path: str, limit: int) -> bytes:
 
 
 def inspect(path: str) -> tuple[CommitRecord | None, str | None, int]:
-    """(record or None, what makes it incomplete or None, bytes stored) for one step folder."""
+    """(record or None, what makes it incomplete or None, bytes stored) for one step folder.
+
+    For an OLMo-core checkpoint the record is its :class:`OlmoCoreRecord`, and its DCP metadata is
+    decoded to tell whether it is complete.
+    """
     storage = storage_for(path)
     sizes = {f.relpath: f.size for f in storage.walk(path)}
     stored = sum(sizes.values())
     try:
-        record = read_record(path, sizes.get(COMMIT_RECORD))
+        data = _read_marker(path, sizes.get(COMMIT_RECORD))
     except CheckpointNotFoundError:
         return None, "no commit record", stored
+    except CorruptCheckpointError as exc:
+        return None, str(exc), stored
+    marker = parse_olmo_marker(data)
+    if marker is not None:
+        olmo = _olmo_record(path, marker, sizes)
+        try:
+            check_olmo_core(path, olmo)
+        except CorruptCheckpointError as exc:
+            return olmo, str(exc), stored
+        return olmo, None, stored
+    try:
+        record = CommitRecord.from_json(data, storage.join(path, COMMIT_RECORD))
     except CorruptCheckpointError as exc:
         return None, str(exc), stored
     for rel, entry in record.files.items():
@@ -113,6 +261,7 @@ def list_checkpoints(save_folder: str) -> list[CheckpointInfo]:
             continue
         path = storage.join(save_folder, name)
         record, problem, stored = inspect(path)
+        olmo = isinstance(record, OlmoCoreRecord)
         out.append(
             CheckpointInfo(
                 step=step,
@@ -120,8 +269,9 @@ def list_checkpoints(save_folder: str) -> list[CheckpointInfo]:
                 complete=record is not None and problem is None,
                 ephemeral=record.ephemeral if record else None,
                 bytes=stored,
-                created_unix=record.created_unix if record else None,
+                created_unix=record.created_unix if record and not olmo else None,
                 problem=problem,
+                flavor=flavor_of(record),
             )
         )
     return sorted(out, key=lambda i: i.step)
@@ -135,8 +285,22 @@ def verify(path: str, checksums: bool = True, structure: bool = True) -> CommitR
     ``structure`` the small files are decoded too (DCP metadata through the allow-list, trainer
     state as bounded JSON) and the data file's layout is checked against the metadata, so a
     checkpoint that verifies also loads into a model of its shape.
+
+    An OLMo-core checkpoint returns its :class:`OlmoCoreRecord` (see :func:`verify_note`): its
+    DCP metadata decoded and every file it names long enough; with ``checksums`` the CRC-32 inside
+    each ``torch.save`` record is checked, with ``structure`` every ``train/rank{R}.pt`` is read
+    with ``torch.load(weights_only=True)``. A refused pickle raises UnsafeCheckpointError.
     """
     record, problem, _ = inspect(path)
+    if isinstance(record, OlmoCoreRecord):
+        metadata = check_olmo_core(path, record)  # raises the precise error
+        if checksums:
+            _verify_olmo_crc(path, record, metadata)
+        if structure:
+            for rel in record.files:
+                if _OLMO_TRAIN_RE.match(rel):
+                    _read_olmo_train_file(path, rel, record, path)
+        return record
     if record is None:
         read_record(path)  # raises the precise error
     if problem is not None:
@@ -191,8 +355,24 @@ def verify_structure(path: str, record: CommitRecord) -> None:
             ) from None
 
 
-def verify_checksums(path: str, record: CommitRecord) -> None:
-    """Read every file the record lists and check its checksum (sizes are :func:`inspect`'s job)."""
+def verify_note(path: str) -> str | None:
+    """What :func:`verify` could not check at ``path``: for OLMo-core checkpoints, that there are no checksums."""
+    try:
+        data = _read_marker(path)
+    except (CkptkeeperError, OSError):
+        return None
+    return OLMO_CORE_NOTE if parse_olmo_marker(data) is not None else None
+
+
+def verify_checksums(path: str, record: CommitRecord, where: str | None = None) -> None:
+    """Read every file the record lists and check its checksum (sizes are :func:`inspect`'s job).
+
+    An OLMo-core checkpoint has none: the CRC-32 inside each ``torch.save`` record is checked.
+    ``where`` names the checkpoint in errors when ``path`` is a local copy of it.
+    """
+    if isinstance(record, OlmoCoreRecord):
+        _verify_olmo_crc(path, record, check_olmo_core(path, record, where), where)
+        return
     storage = storage_for(path)
     local = storage.local_path(path)
     for rel, entry in record.files.items():
@@ -221,3 +401,210 @@ def check_file(path: str, rel: str, entry: FileEntry, size: int, digest: str | N
     raise CorruptCheckpointError(
         f"checkpoint {path} is corrupt: {problem}; load an earlier checkpoint or restore this one from a copy"
     )
+
+
+# ---------------------------------------------------------------------- OLMo-core
+
+
+def read_small(path: str, rel: str, limit: int, entry: FileEntry | None = None) -> bytes:
+    """One small file of the checkpoint at ``path`` (any store), at most ``limit`` bytes.
+
+    With a record ``entry`` that has a checksum, the bytes are checked against it before they are
+    returned. Local files are never read through a symlink.
+    """
+    storage = storage_for(path)
+    if entry is not None and entry.bytes > limit:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is corrupt: {rel} is listed with {entry.bytes} bytes, more than the {limit} "
+            "ckptkeeper reads for it"
+        )
+    full = storage.join(path, rel)
+    try:
+        local = storage.local_path(full)
+        data = _read_local_small(local, limit) if local is not None else storage.read_bytes(full)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupt: missing file {rel}") from None
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {rel} is larger than the {limit} bytes expected")
+    if entry is not None and entry.xxh3_64 != _NO_CHECKSUM:
+        check_digest(path, rel, entry, data)
+    return data
+
+
+def _olmo_incomplete(where: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"OLMo-core checkpoint {where} is incomplete: {why}; load an earlier checkpoint or restore this one from a copy"
+    )
+
+
+def check_olmo_core(path: str, record: OlmoCoreRecord, where: str | None = None) -> Metadata:
+    """Decode an OLMo-core checkpoint's DCP metadata and check that every file it names holds its bytes.
+
+    ``path`` is the step folder (any store, or a local copy: then ``where`` names the original).
+    Returns the metadata with DCP's own storage-info entries. Raises UnsafeCheckpointError for a
+    pickle asking for anything outside the allow-list, CorruptCheckpointError for anything else.
+    """
+    from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
+
+    where = where or path
+    for needed in (_OLMO_META, f"{TRAIN_DIR}/rank0.pt"):
+        if needed not in record.files:
+            raise _olmo_incomplete(where, f"missing file {needed}")
+    size = record.files[_OLMO_META].bytes
+    if size > MAX_METADATA_BYTES:
+        raise _olmo_incomplete(
+            where, f"{_OLMO_META} has {size} bytes, more than the {MAX_METADATA_BYTES} ckptkeeper reads"
+        )
+    data_files = [
+        rel[len(MODEL_DIR) + 1 :]
+        for rel in record.files
+        if rel.startswith(MODEL_DIR + "/") and "/" not in rel[len(MODEL_DIR) + 1 :] and rel != _OLMO_META
+    ]
+    data = read_small(path, _OLMO_META, MAX_METADATA_BYTES)
+    metadata = safe_load_metadata(data, f"{where}/{_OLMO_META}", data_files, olmo_core=True)
+    storage_data = metadata.storage_data or {}
+    needs: dict[str, int] = {}
+    for info in storage_data.values():
+        rel = f"{MODEL_DIR}/{info.relative_path}"
+        needs[rel] = max(needs.get(rel, 0), info.offset + info.length)
+    for rel, need in sorted(needs.items()):
+        have = record.files[rel].bytes
+        if have < need:
+            raise _olmo_incomplete(where, f"{rel} has {have} bytes, its DCP metadata points at {need}")
+    try:
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                missing = any(MetadataIndex(fqn, chunk.offsets) not in storage_data for chunk in md.chunks)
+            else:
+                missing = MetadataIndex(fqn) not in storage_data
+            if missing:
+                raise _olmo_incomplete(where, f"its DCP metadata says where {fqn[:80]!r} is stored only in part")
+    except (TypeError, AttributeError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}/{_OLMO_META} is not valid DCP metadata ({type(exc).__name__}: {str(exc)[:200]}); load an "
+            "earlier checkpoint or restore this one from a copy"
+        ) from None
+    return metadata
+
+
+def read_olmo_train_state(
+    path: str, rank: int, record: OlmoCoreRecord, where: str | None = None
+) -> tuple[dict[str, Any], bool]:
+    """(rank ``rank``'s OLMo-core trainer state as plain data, whether it is rank 0's stand-in)."""
+    name, borrowed = f"{TRAIN_DIR}/rank{rank}.pt", False
+    if name not in record.files:
+        name, borrowed = f"{TRAIN_DIR}/rank0.pt", True
+    if name not in record.files:
+        raise _olmo_incomplete(where or path, f"missing file {name}")
+    return _read_olmo_train_file(path, name, record, where or path), borrowed
+
+
+def _read_olmo_train_file(path: str, rel: str, record: OlmoCoreRecord, where: str) -> dict[str, Any]:
+    from .safe_metadata import MAX_TRAIN_STATE_BYTES, safe_load_train_state
+
+    data = read_small(path, rel, MAX_TRAIN_STATE_BYTES, record.files[rel])
+    if len(data) != record.files[rel].bytes:
+        raise CorruptCheckpointError(f"checkpoint {where} changed while it was read: {rel} has {len(data)} bytes")
+    return safe_load_train_state(data, f"{where}/{rel}")
+
+
+def read_metadata_of(path: str, record: CommitRecord) -> Metadata:
+    """The DCP metadata of either flavor (any store), checksum-checked where there is a checksum."""
+    from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
+
+    if isinstance(record, OlmoCoreRecord):
+        return check_olmo_core(path, record)
+    rel = f"{MODEL_DIR}/.metadata"
+    if rel not in record.files:
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupt: its commit record lists no {rel}")
+    data = read_small(path, rel, MAX_METADATA_BYTES, record.files[rel])
+    data_files = [k[len(MODEL_DIR) + 1 :] for k in record.files if k.startswith(MODEL_DIR + "/")]
+    return safe_load_metadata(data, f"{path}/{rel}", data_files)
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of an open file, from ``start``."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._len, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        n = min(len(buf), self._len - self._pos)
+        if n <= 0:
+            return 0
+        data = os.pread(self._fd, n, self._start + self._pos)
+        buf[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def _check_zip_crcs(fd: int, start: int, length: int) -> None:
+    # torch.save writes a zip archive per record, with a CRC-32 per member; reading each member
+    # to its end makes zipfile compare them. A CRC of 0 on a non-empty member means "not recorded".
+    with zipfile.ZipFile(_Window(fd, start, length)) as z:
+        for info in z.infolist():
+            if info.CRC == 0 and info.file_size:
+                continue
+            with z.open(info) as member:
+                while member.read(1 << 20):
+                    pass
+
+
+def _local_copies(path: str, rels: list[str]) -> Iterator[tuple[str, str]]:
+    # (rel, local file) one at a time: local files as they are, remote ones downloaded to a temporary file.
+    storage = storage_for(path)
+    local = storage.local_path(path)
+    for rel in rels:
+        if local is not None:
+            yield rel, os.path.join(local, rel)
+            continue
+        with tempfile.NamedTemporaryFile(prefix="ckptkeeper-verify-") as tmp:
+            try:
+                storage.download(storage.join(path, rel), tmp.name)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"checkpoint {path} is corrupt: missing file {rel}") from None
+            yield rel, tmp.name
+
+
+def _verify_olmo_crc(path: str, record: OlmoCoreRecord, metadata: Metadata, where: str | None = None) -> None:
+    where = where or path
+    items: dict[str, list[tuple[str, int, int]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        items.setdefault(f"{MODEL_DIR}/{info.relative_path}", []).append((index.fqn, info.offset, info.length))
+    for rel in record.files:
+        if _OLMO_TRAIN_RE.match(rel):
+            items[rel] = [(rel, 0, record.files[rel].bytes)]
+    for rel, local_file in _local_copies(path, sorted(items)):
+        try:
+            fd = os.open(local_file, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"checkpoint {where} is corrupt: missing file {rel}") from None
+        except OSError as exc:
+            raise CorruptCheckpointError(f"checkpoint {where}: cannot read {rel} ({exc.strerror})") from None
+        try:
+            for name, start, length in sorted(items[rel], key=lambda item: item[1]):
+                try:
+                    _check_zip_crcs(fd, start, length)
+                except Exception as exc:
+                    raise CorruptCheckpointError(
+                        f"checkpoint {where} is corrupt: the torch.save record of {name[:80]!r} in {rel} (bytes "
+                        f"{start}-{start + length}) fails its check ({type(exc).__name__}: {str(exc)[:200]}); load "
+                        "an earlier checkpoint or restore this one from a copy"
+                    ) from None
+        finally:
+            os.close(fd)

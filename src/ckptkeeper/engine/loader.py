@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.layout import MODEL_DIR, train_state_name
@@ -97,10 +98,15 @@ def check_fit(tensors: Mapping[str, Any], metadata: Any, where: str) -> bool:
     missing = []
     for fqn, t in flatten_tensors(tensors):
         md = sd_meta.get(fqn)
-        size = getattr(md, "size", None)
-        if size is None:
+        if md is None:
             missing.append(fqn)
             continue
+        if type(md) is not TensorStorageMetadata:
+            raise CorruptCheckpointError(
+                f"checkpoint {where} stores {fqn} as a {type(md).__name__}, not a tensor; the checkpoint may be "
+                "tampered with: load an earlier checkpoint or restore this one from a copy"
+            )
+        size = md.size
         if tuple(size) != _global_shape(t):
             raise CheckpointError(
                 f"checkpoint {where} does not fit this model/optimizer: {fqn} has shape {list(size)} in the "

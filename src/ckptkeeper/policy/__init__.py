@@ -1,6 +1,7 @@
 """Pure checkpoint policy: configuration and decisions, with no I/O, clock or torch."""
 
 from .config import CheckpointPolicyConfig, RemovalStrategy
+from .pruning import PrunePlan, PruneRules, plan_prune
 from .schedule import (
     RetentionBook,
     SaveKind,
@@ -13,12 +14,15 @@ from .schedule import (
 
 __all__ = [
     "CheckpointPolicyConfig",
+    "PrunePlan",
+    "PruneRules",
     "RemovalStrategy",
     "RetentionBook",
     "SaveKind",
     "decide_save",
     "is_permanent_step",
     "needs_final_save",
+    "plan_prune",
     "removable_from_earlier_runs",
     "wants_pre_train_save",
 ]

@@ -70,9 +70,16 @@ class S3Storage(Storage):
             read_timeout=60,
         )
         self.client = session.client("s3", region_name=region, config=cfg)
+        self.retries = 0
+        """Requests retried so far (botocore reports the attempts of every call, transfers included)."""
+        self.client.meta.events.register("after-call.s3", self._count_retries)
         self.transfer = TransferConfig(
             multipart_threshold=_PART, multipart_chunksize=_PART, max_concurrency=10, use_threads=True
         )
+
+    def _count_retries(self, parsed: Any = None, **_: Any) -> None:
+        attempts = (parsed or {}).get("ResponseMetadata", {}).get("RetryAttempts", 0) if isinstance(parsed, dict) else 0
+        self.retries += int(attempts or 0)
 
     # ----------------------------------------------------------------- errors
 

@@ -1,0 +1,47 @@
+"""Small pieces the commands share: sizes in words, confirmation prompts, progress bars on stderr."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+
+from ..errors import ConfigurationError
+
+__all__ = ["confirm", "human", "progress"]
+
+
+def human(n: int) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def confirm(question: str, yes: bool) -> bool:
+    """Ask on the terminal; ``--yes`` answers for the user. Without a terminal, refuse to guess."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise ConfigurationError(f"{question} -- no terminal to ask on; pass --yes to confirm")
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    """A byte-counting progress bar on stderr, only when stderr is a terminal; yields ``advance(n)``."""
+    if not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)

@@ -1,0 +1,110 @@
+"""``ckptkeeper inspect``: what is inside one checkpoint: record, trainer state, tensors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from ..errors import CkptkeeperError
+from ._common import human
+from .ls import local_problem
+
+__all__ = ["add_parser", "describe", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``inspect`` sub-command."""
+    p = sub.add_parser(
+        "inspect",
+        help="show a checkpoint's commit record, trainer state and tensors",
+        description="Show one checkpoint: its commit record (or OLMo-core marker), the trainer state of rank 0, "
+        "and a table of tensors (name, shape, dtype, bytes) with totals. Nothing is loaded into memory but "
+        "the small files; DCP's metadata is decoded without running code from it.",
+    )
+    p.add_argument("path", help="the checkpoint: a step{N} folder (path or URL)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (record, train_state, tensors: [{name, shape, "
+        "dtype, bytes}], total_tensor_bytes, total_file_bytes)"
+    )  # fmt: skip
+    p.set_defaults(func=run)
+
+
+def describe(path: str) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as plain data."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..engine import discovery
+    from ..engine.reader import read_dcp_metadata, read_train_state
+    from ..storage import storage_for
+
+    storage = storage_for(path)
+    record: dict[str, Any] | None
+    try:
+        rec = discovery.read_record(path)
+        files = {k: {"bytes": v.bytes, "xxh3_64": v.xxh3_64} for k, v in sorted(rec.files.items())}
+        record = {"step": rec.step, "ephemeral": rec.ephemeral, "world_size": rec.world_size,
+                  "created_unix": rec.created_unix, "version": rec.version, "format": "ckptkeeper",
+                  "files": files}  # fmt: skip
+    except CkptkeeperError:
+        raw = json.loads(storage.read_bytes(storage.join(path, ".metadata.json"))[:65536])
+        record = {"format": "olmo-core", **raw} if isinstance(raw, dict) else None
+    metadata = read_dcp_metadata(path)
+    tensors = []
+    for name, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            dtype = md.properties.dtype
+            numel = math.prod(md.size)
+            size = numel * torch.empty((), dtype=dtype).element_size()
+            tensors.append({"name": name, "shape": list(md.size), "dtype": str(dtype).removeprefix("torch."),
+                            "bytes": size})  # fmt: skip
+        else:
+            tensors.append({"name": name, "shape": None, "dtype": "object", "bytes": None})
+    return {
+        "path": path,
+        "record": record,
+        "train_state": read_train_state(path, 0),
+        "tensors": tensors,
+        "total_tensor_bytes": sum(t["bytes"] or 0 for t in tensors),
+        "total_file_bytes": sum(f.size for f in storage.walk(path)),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ckptkeeper inspect``; returns the exit code."""
+    problem = local_problem(args.path)
+    if problem is not None:
+        print(f"ckptkeeper inspect: error: {problem}", file=sys.stderr)
+        return 1
+    info = describe(args.path)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    rec = info["record"] or {}
+    console.print(f"[bold]{args.path}[/bold] ({rec.get('format', '?')})")
+    for key in ("step", "ephemeral", "world_size", "version"):
+        if key in rec:
+            console.print(f"  {key}: {rec[key]}")
+    if "files" in rec:
+        console.print(f"  files: {len(rec['files'])} listed with sizes and xxh3-64 checksums")
+    ts = info["train_state"]
+    summary = {
+        k: (v if isinstance(v, (int, float, str, bool)) or v is None else type(v).__name__) for k, v in ts.items()
+    }
+    console.print(f"  trainer state: {summary}")
+    table = Table(title="tensors")
+    for col in ("name", "shape", "dtype", "bytes"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for t in info["tensors"]:
+        table.add_row(t["name"], str(t["shape"]), t["dtype"], human(t["bytes"]) if t["bytes"] is not None else "-")
+    console.print(table)
+    console.print(f"{len(info['tensors'])} tensors, {human(info['total_tensor_bytes'])} of tensor data, "
+                  f"{human(info['total_file_bytes'])} on storage")  # fmt: skip
+    return 0

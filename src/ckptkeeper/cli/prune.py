@@ -1,0 +1,78 @@
+"""``ckptkeeper prune``: free space by removing checkpoints no keep-rule keeps (never the newest)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ._common import confirm, human
+from .ls import local_problem
+from .train import int_in_range
+
+__all__ = ["add_parser", "run"]
+
+
+def _steps(text: str) -> list[int]:
+    try:
+        steps = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated steps like 1000,5000, got {text!r}") from None
+    if any(s < 0 for s in steps):
+        raise argparse.ArgumentTypeError(f"steps must be >= 0, got {text!r}")
+    return steps
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``prune`` sub-command."""
+    p = sub.add_parser(
+        "prune",
+        help="remove the complete checkpoints that no --keep-* rule keeps (never the newest)",
+        description="Remove complete checkpoints of a save folder that no keep-rule keeps. A checkpoint stays "
+        "if any rule keeps it; the newest complete checkpoint always stays; incomplete folders are never "
+        "touched. Prints what it removes (and why each kept one stays). Give at least one --keep-* rule. "
+        "Takes the save folder's lease, so it refuses while a training run uses the folder.",
+    )
+    p.add_argument("folder", help="the save folder (path or URL)")
+    p.add_argument("--keep-last", type=int_in_range(1), metavar="N", help="keep the newest N checkpoints")
+    p.add_argument("--keep-every", type=int_in_range(1), metavar="K", help="keep steps that are multiples of K")
+    p.add_argument("--keep-steps", type=_steps, default=[], metavar="A,B", help="keep these steps, e.g. 1000,5000")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+    p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ckptkeeper prune``; returns the exit code."""
+    from ..engine import discovery
+    from ..engine.deleter import remove_checkpoint
+    from ..engine.lease import SaveFolderLease
+    from ..policy import PruneRules, plan_prune
+
+    rules = PruneRules(keep_last=args.keep_last, keep_every=args.keep_every, keep_steps=tuple(args.keep_steps))
+    problem = local_problem(args.folder)
+    if problem is not None:
+        print(f"ckptkeeper prune: error: {problem}", file=sys.stderr)
+        return 1
+    complete = {i.step: i for i in discovery.list_checkpoints(args.folder) if i.complete}
+    plan = plan_prune(complete, rules)
+    for step, why in plan.keep.items():
+        print(f"keep    step {step} ({', '.join(why)})")
+    freed = sum(complete[s].bytes for s in plan.remove)
+    verb = "would remove" if args.dry_run else "remove"
+    for step in plan.remove:
+        print(f"{verb:<7} step {step} ({human(complete[step].bytes)}) {complete[step].path}")
+    if not plan.remove:
+        print("nothing to remove")
+        return 0
+    if args.dry_run:
+        print(f"dry run: {len(plan.remove)} checkpoints, {human(freed)} would be freed; nothing was removed")
+        return 0
+    if not confirm(f"remove {len(plan.remove)} checkpoints ({human(freed)})?", args.yes):
+        print("nothing removed", file=sys.stderr)
+        return 1
+    with SaveFolderLease(args.folder):
+        for step in plan.remove:
+            remove_checkpoint(complete[step].path)
+    print(f"removed {len(plan.remove)} checkpoints, freed {human(freed)}")
+    return 0

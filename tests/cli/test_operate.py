@@ -1,0 +1,166 @@
+"""The operations commands through the real ``ckptkeeper`` entry point: ls --verify, inspect,
+verify, rm, prune, cp and export, on local disk and S3, plus --version and -q/-v placement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ckptkeeper import Checkpointer, TrainingState
+from ckptkeeper.cli import main
+
+
+def ck(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).parent / "ckptkeeper"
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=cwd, input=stdin, timeout=240)
+
+
+def _state(seed: int = 0) -> TrainingState:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return TrainingState(model, opt)
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    ckpt = Checkpointer()
+    st = _state()
+    for step in (10, 20, 30, 40, 50):
+        ckpt.save(str(tmp_path / "run"), step, st, train_state={"global_step": step}, ephemeral=step == 50)
+    return tmp_path / "run"
+
+
+def test_version_and_verbosity_flags_before_or_after_the_command(tmp_path: Path, folder: Path) -> None:
+    out = ck("--version", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("ckptkeeper ")
+    for args in (["-q", "ls", str(folder)], ["ls", str(folder), "-q"], ["ls", "-v", str(folder)]):
+        res = ck(*args, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        assert "step" in res.stdout
+    assert ck("-q", "-v", "ls", str(folder), cwd=tmp_path).returncode == 2
+
+
+def test_every_command_has_help_that_lists_its_flags(tmp_path: Path) -> None:
+    for cmd, flags in {
+        "ls": ["--json", "--verify"], "inspect": ["--json"], "verify": ["--json"], "rm": ["--yes"],
+        "prune": ["--keep-last", "--keep-every", "--keep-steps", "--dry-run", "--yes"], "cp": [],
+        "export": ["--format", "safetensors", "torch", "--dtype", "bfloat16", "--include-optimizer"],
+    }.items():  # fmt: skip
+        res = ck(cmd, "--help", cwd=tmp_path)
+        assert res.returncode == 0
+        for flag in flags:
+            assert flag in res.stdout, (cmd, flag)
+
+
+def test_verify_passes_then_fails_after_a_flipped_byte(tmp_path: Path, folder: Path) -> None:
+    ok = ck("verify", str(folder), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.count("OK") == 5
+    data = folder / "step30" / "model_and_optim" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(bytes(raw))
+    bad = ck("verify", str(folder), cwd=tmp_path)
+    assert bad.returncode == 1
+    assert "FAILED" in bad.stdout and "step30" in bad.stdout and bad.stdout.count("OK") == 4
+    assert ck("verify", str(folder / "step40"), cwd=tmp_path).returncode == 0
+    assert main(["ls", str(folder), "--verify", "--json"]) == 1
+
+
+def test_rm_removes_the_step_folder(tmp_path: Path, folder: Path) -> None:
+    res = ck("rm", str(folder / "step20"), "--yes", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert not (folder / "step20").exists()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".trash-")]
+    # Without --yes and without a terminal to ask on, it refuses and removes nothing.
+    refused = ck("rm", str(folder / "step30"), cwd=tmp_path, stdin="")
+    assert refused.returncode == 1 and (folder / "step30").exists()
+    assert "--yes" in refused.stderr
+    missing = ck("rm", str(folder / "step99"), "--yes", cwd=tmp_path)
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+def test_prune_dry_run_deletes_nothing_then_prunes_by_the_rules(tmp_path: Path, folder: Path) -> None:
+    before = sorted(os.listdir(folder))
+    dry = ck("prune", str(folder), "--keep-last", "1", "--keep-steps", "20", "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert sorted(os.listdir(folder)) == before
+    assert "would remove step 10" in dry.stdout and "would remove step 40" in dry.stdout
+    assert "keep    step 50 (newest" in dry.stdout and "keep    step 20 (listed)" in dry.stdout
+    res = ck("prune", str(folder), "--keep-every", "20", "--yes", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert sorted(os.listdir(folder)) == ["step20", "step40", "step50"]  # 50: the newest always stays
+    none = ck("prune", str(folder), "--yes", cwd=tmp_path)
+    assert none.returncode == 1 and "keep-rule" in none.stderr
+
+
+def test_inspect_shows_record_trainer_state_and_tensors(tmp_path: Path, folder: Path) -> None:
+    res = ck("inspect", str(folder / "step30"), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    assert info["record"]["step"] == 30 and info["record"]["format"] == "ckptkeeper"
+    assert info["train_state"]["train_state"]["global_step"] == 30 or info["train_state"].get("global_step") == 30
+    by_name = {t["name"]: t for t in info["tensors"]}
+    assert by_name["model.0.weight"] == {"name": "model.0.weight", "shape": [8, 4], "dtype": "float32", "bytes": 128}
+    assert "optim.state.0.weight.exp_avg" in by_name
+    assert info["total_tensor_bytes"] == sum(t["bytes"] for t in info["tensors"] if t["bytes"])
+    table = ck("inspect", str(folder / "step30"), cwd=tmp_path)
+    assert table.returncode == 0 and "model.0.weight" in table.stdout
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_export_to_safetensors_equals_the_checkpoint_model(tmp_path: Path, folder: Path, dtype: str | None) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "model.safetensors"
+    res = ck("export", str(folder / "step30"), str(out), *(["--dtype", dtype] if dtype else []), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    got = load_file(str(out))
+    want = _state().model.state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        expected = v.to(getattr(torch, dtype)) if dtype else v
+        assert torch.equal(got[k], expected), k
+    opt = tmp_path / "all.pt"
+    assert main(["export", str(folder / "step30"), str(opt), "--format", "torch", "--include-optimizer"]) == 0
+    everything = torch.load(opt, weights_only=True)
+    assert "model.0.weight" in everything and "optim.state.0.weight.exp_avg" in everything
+
+
+def test_cp_local_to_s3_to_local_round_trip_verifies(tmp_path: Path, folder: Path, s3_root: str) -> None:
+    env_ok = ck("cp", str(folder), s3_root, cwd=tmp_path)
+    assert env_ok.returncode == 0, env_ok.stderr
+    assert env_ok.stdout.count("verified") == 5
+    back = tmp_path / "back"
+    res = ck("cp", f"{s3_root}/step30", str(back), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert sorted(os.listdir(back)) == ["step30"]
+    assert (back / "step30" / ".metadata.json").read_bytes() == (folder / "step30" / ".metadata.json").read_bytes()
+    dst = _state(5)
+    Checkpointer().load(str(back / "step30"), dst)
+    from ckptkeeper import state_digest
+
+    src = _state()
+    assert state_digest(dst.model, dst.optimizer) == state_digest(src.model, src.optimizer)
+    again = ck("cp", f"{s3_root}/step30", str(back), cwd=tmp_path)  # identical: left as it is
+    assert again.returncode == 0
+    assert ck("verify", s3_root, cwd=tmp_path).returncode == 0
+
+
+def test_cp_of_a_corrupt_checkpoint_fails_and_leaves_nothing(tmp_path: Path, folder: Path) -> None:
+    data = folder / "step30" / "model_and_optim" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 1
+    data.write_bytes(bytes(raw))
+    assert main(["cp", str(folder / "step30"), str(tmp_path / "dst")]) == 1
+    assert not (tmp_path / "dst").exists() or os.listdir(tmp_path / "dst") == []
