@@ -96,7 +96,7 @@ def test_removal_judges_the_normalised_path(path: str) -> None:
 def test_remove_refuses_a_folder_without_a_commit_record(tmp_path: Path) -> None:
     (tmp_path / "step5").mkdir()
     (tmp_path / "step5" / "mine.txt").write_text("x")
-    with pytest.raises(ConfigurationError, match="no commit record"):
+    with pytest.raises(ConfigurationError, match="no ckptkeeper commit record"):
         Checkpointer().remove(str(tmp_path / "step5"))
     assert (tmp_path / "step5" / "mine.txt").read_text() == "x"
 

@@ -65,6 +65,16 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"ckptkeeper ls: error: {problem}", file=sys.stderr)
         return 1
+    from ..storage import parse_step
+
+    if parse_step(args.path.rstrip("/").rsplit("/", 1)[-1]) is not None and not discovery.list_checkpoints(args.path):
+        parent = args.path.rstrip("/").rsplit("/", 1)[0] if "/" in args.path.rstrip("/") else "."
+        print(
+            f"ckptkeeper ls: error: {args.path} is a checkpoint, not a save folder; use `ckptkeeper inspect "
+            f"{args.path}` or `ckptkeeper ls {parent}`",
+            file=sys.stderr,
+        )
+        return 1
     infos = discovery.list_checkpoints(args.path)
     verified: dict[int, str] = {}
     if args.verify:

@@ -6,6 +6,7 @@ Only the command line lives here (cheap to import); the training itself is in ``
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,16 @@ def _tri(text: str) -> bool | None:
     return table[text.lower()]
 
 
+def _report_path(text: str) -> str:
+    """An argparse ``type=``: a file path whose folder exists (checked before training, not after)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name such as {text}/report.json")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"folder {folder} does not exist; create it first")
+    return text
+
+
 def add_parser(sub: Any) -> None:
     """Register the ``train`` sub-command."""
     p = sub.add_parser("train", help="train the built-in model with checkpointing (rehearse crashes and resumes)")
@@ -85,10 +96,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--pre-train-checkpoint", type=_tri, default=None, help="auto | true | false")
     p.add_argument("--save-async", dest="save_async", action="store_true", default=None)
     p.add_argument("--no-save-async", dest="save_async", action="store_false")
-    p.add_argument("--crash-at-step", type=int_in_range(0), default=None, help="exit abruptly right after this step")
+    p.add_argument("--crash-at-step", type=int_in_range(1), default=None, help="exit abruptly right after this step")
     p.add_argument("--seed", type=int_in_range(0, MAX_SEED), default=0, help="seed of the model, data and RNGs")
     p.add_argument("--hidden", type=int_in_range(1), default=64, help="width of the built-in model")
-    p.add_argument("--report", default=None, help="write a JSON report here (rank 0)")
+    p.add_argument("--report", type=_report_path, default=None, help="write a JSON report here (rank 0)")
     p.add_argument(
         "--start-fresh-if-unloadable",
         action="store_true",

@@ -132,6 +132,14 @@ def init_from_env() -> bool:
         return False
     import torch
 
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "RANK") if not os.environ.get(name)]
+    if missing:
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} asks for several processes but {', '.join(missing)} "
+            "is not set; start the job with torchrun (which sets them), or unset WORLD_SIZE"
+        )
     use_cuda = torch.cuda.is_available() and os.environ.get("CKPTKEEPER_BACKEND", "") != "gloo"
     if use_cuda:
         torch.cuda.set_device(get_local_rank())

@@ -52,7 +52,16 @@ from ..storage.layout import (
 from ..storage.local import translate_os_error
 from . import discovery
 from .agreement import agree, load_error, unwrap
-from .deleter import clean_leftover, clean_save_folder, new_spool, read_intents, remove_checkpoint, write_intent
+from .deleter import (
+    clean_leftover,
+    clean_save_folder,
+    local_record_is_ours,
+    new_spool,
+    read_intents,
+    record_is_ours,
+    remove_checkpoint,
+    write_intent,
+)
 from .discovery import CheckpointInfo
 from .fastio import DATA_FILE, Segment, can_use_fast_path, load_order, parse_layout, read_fast, write_fast
 from .loader import Rollback, check_fit, read_metadata, read_train_state
@@ -403,7 +412,8 @@ class Checkpointer:
             for name in names:
                 full = os.path.join(dirpath, name)
                 rel = os.path.relpath(full, local_work).replace(os.sep, "/")
-                if rel == COMMIT_RECORD or rel in (skip or ()):
+                # The spool's owner marker is the spool's, not the checkpoint's.
+                if rel in (COMMIT_RECORD, ".owner.json") or rel in (skip or ()):
                     continue
                 if world > 1 and not _written_by(rel, rank):
                     continue
@@ -426,7 +436,7 @@ class Checkpointer:
         if local is not None:
             if not os.path.lexists(local):
                 return
-            if os.path.islink(local) or not os.path.isfile(os.path.join(local, COMMIT_RECORD)):
+            if os.path.islink(local) or not local_record_is_ours(local):
                 raise CheckpointSaveError(
                     f"{local} already exists and is not a ckptkeeper checkpoint (no commit record); ckptkeeper "
                     "does not overwrite what it did not write: move it out of the save folder"
@@ -436,7 +446,16 @@ class Checkpointer:
             return
         if not storage.list_dir(final):
             return
-        if storage.exists(storage.join(final, COMMIT_RECORD)):
+        try:
+            record = storage.read_bytes(storage.join(final, COMMIT_RECORD))
+        except FileNotFoundError:
+            record = None
+        if record is not None:
+            if not record_is_ours(record):
+                raise CheckpointSaveError(
+                    f"{final} holds a {COMMIT_RECORD} that ckptkeeper did not write; ckptkeeper does not overwrite "
+                    "it: move it out of the save folder"
+                )
             self.remove(final)
             return
         clean_leftover(storage, final)
@@ -601,6 +620,11 @@ class Checkpointer:
                 ) from None
         need = _tensor_bytes(tensors)
         had_buffers = self._stager.nbytes > 0
+        if by_fqn is None and not verified and self.verify_checksums:
+            # DCP's reader checks no checksums, and segment checks only happen on the fast path
+            # (not taken here, e.g. for another dtype): check every file before reading it.
+            discovery.verify_checksums(local, record, path)
+            verified = True
         guard: Rollback | None = None
         if not self._rollback_loads:
             pass

@@ -36,14 +36,16 @@ from ..storage.layout import (
     parse_step,
     scratch_name,
 )
-from ..storage.local import fsync_dir
+from ..storage.local import fsync_dir, open_regular
 from .metrics import emit
-from .record import CommitRecord, loads_bounded
+from .record import MAX_RECORD_BYTES, CommitRecord, loads_bounded, record_is_ours
 
 __all__ = [
     "clean_save_folder",
+    "local_record_is_ours",
     "new_spool",
     "read_intents",
+    "record_is_ours",
     "remove_checkpoint",
     "step_path",
     "sweep_dead_spools",
@@ -63,6 +65,10 @@ def step_path(path: str) -> tuple[Storage, str, str, int]:
     all ``/step5``), and a checkpoint directly in the filesystem root is refused.
     """
     storage = storage_for(path)
+    raw_local = storage.local_path(path)
+    if raw_local is not None and ".." in raw_local.split(os.sep):
+        # Lexical normalisation of "link/.." would judge a different folder than the OS reaches.
+        raise ConfigurationError(f"refusing to remove {path!r}: write the path without '..' parts")
     canon = storage.normalise(path)
     if storage.local_path(canon) is not None:
         parent, name = os.path.split(canon)
@@ -113,19 +119,28 @@ def read_intents(storage: Storage, final: str) -> tuple[set[str], list[str]]:
     return announced, objects
 
 
+def local_record_is_ours(folder: str) -> bool:
+    """:func:`record_is_ours` for the record of a local step folder (False when it has none)."""
+    try:
+        with os.fdopen(open_regular(os.path.join(folder, COMMIT_RECORD)), "rb") as f:
+            return record_is_ours(f.read(MAX_RECORD_BYTES + 1))
+    except OSError:
+        return False
+
+
 def _ours_on_object_store(storage: Storage, final: str) -> list[str] | None:
     """Every object under ``final`` ckptkeeper can prove it wrote, or None when it can prove nothing."""
     record_path = storage.join(final, COMMIT_RECORD)
     listed: set[str] = set()
     has_record = False
     try:
-        record = CommitRecord.from_json(storage.read_bytes(record_path), record_path)
-        listed.update(record.files)
-        has_record = True
+        data = storage.read_bytes(record_path)
     except FileNotFoundError:
-        pass
-    except CorruptCheckpointError:
-        has_record = True  # our name, unreadable: the intents still say what is ours
+        data = None
+    if data is not None and record_is_ours(data):
+        has_record = True
+        with contextlib.suppress(CorruptCheckpointError):  # damaged: the intents still say what is ours
+            listed.update(CommitRecord.from_json(data, record_path).files)
     announced, intents = read_intents(storage, final)
     listed |= announced
     if not has_record and not intents:
@@ -152,10 +167,10 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
             return True
         if not os.path.isdir(local):
             return False
-        if not os.path.isfile(os.path.join(local, COMMIT_RECORD)):
+        if not local_record_is_ours(local):
             raise ConfigurationError(
-                f"refusing to remove {local}: it has no commit record, so ckptkeeper cannot tell it wrote it; "
-                "delete it yourself if it is not needed"
+                f"refusing to remove {local}: it has no ckptkeeper commit record, so ckptkeeper cannot tell it "
+                "wrote it (an OLMo-core checkpoint, or somebody else's folder); delete it yourself if it is not needed"
             )
         trash = os.path.join(parent, scratch_name("trash", step, uuid.uuid4().hex[:8]))
         os.rename(local, trash)  # one atomic step: from here no reader sees step{N}
@@ -176,8 +191,8 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
         if not storage.list_dir(canon):
             return False
         raise ConfigurationError(
-            f"refusing to remove {canon}: it has no commit record or upload intent, so ckptkeeper cannot tell "
-            "it wrote it; delete it yourself if it is not needed"
+            f"refusing to remove {canon}: it has no ckptkeeper commit record or upload intent, so ckptkeeper "
+            "cannot tell it wrote it; delete it yourself if it is not needed"
         )
     # The commit record goes first: from then on the checkpoint is invalid for every reader.
     storage.remove_file(storage.join(canon, COMMIT_RECORD))

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CkptkeeperError, CorruptCheckpointError
 from ..storage import storage_for
-from ..storage.layout import COMMIT_RECORD, MODEL_DIR, TRAIN_DIR, check_relpath, parse_step
+from ..storage.layout import COMMIT_RECORD, MODEL_DIR, TRAIN_DIR, check_relpath, parse_step, train_state_name
+from ..storage.local import open_regular
 from .record import (
     MAX_RECORD_BYTES,
     MAX_STATE_BYTES,
@@ -40,6 +41,7 @@ from .record import (
     check_digest,
     hash_file,
     loads_bounded,
+    record_is_ours,
 )
 
 __all__ = [
@@ -207,13 +209,17 @@ def _olmo_record(path: str, marker: tuple[bool, str], sizes: dict[str, int]) -> 
 def _read_local_small(path: str, limit: int) -> bytes:
     # Never through a symlink, never more than the limit (+1, so that too-large shows).
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(path)
+        with os.fdopen(fd, "rb") as f:
+            return f.read(limit + 1)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
         raise CorruptCheckpointError(f"cannot read {path} ({exc.strerror}); the checkpoint cannot be trusted") from None
-    with os.fdopen(fd, "rb") as f:
-        return f.read(limit + 1)
+
+
+NOT_OURS = "not a ckptkeeper checkpoint"
+"""How :func:`inspect` starts the problem of a step folder whose record is somebody else's."""
 
 
 def inspect(path: str) -> tuple[CommitRecord | None, str | None, int]:
@@ -242,7 +248,14 @@ def inspect(path: str) -> tuple[CommitRecord | None, str | None, int]:
     try:
         record = CommitRecord.from_json(data, storage.join(path, COMMIT_RECORD))
     except CorruptCheckpointError as exc:
+        # Counting a broken checkpoint errs on the side of "ours" (a destroyed record next to our
+        # trainer state is still our checkpoint); deleting never does (see deleter.record_is_ours).
+        if not record_is_ours(data) and train_state_name(0) not in sizes:
+            return None, f"{NOT_OURS} (its {COMMIT_RECORD} was not written by ckptkeeper)", stored
         return None, str(exc), stored
+    folder_step = parse_step(path.rstrip("/").rsplit("/", 1)[-1])
+    if folder_step is not None and record.step != folder_step:
+        return record, f"its commit record is for step {record.step}, not {folder_step} (copied or renamed?)", stored
     for rel, entry in record.files.items():
         if rel not in sizes:
             return record, f"missing file {rel}", stored

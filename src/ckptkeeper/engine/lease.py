@@ -91,6 +91,10 @@ class SaveFolderLease:
             return None
         except CorruptCheckpointError:
             return {}
+        except OSError as exc:  # a folder or a FIFO where the lease should be
+            raise ConfigurationError(
+                f"{self.path} exists but cannot be read as a lease ({exc.strerror}); remove it, it is not ckptkeeper's"
+            ) from None
         return doc if isinstance(doc, dict) else {}
 
     @staticmethod

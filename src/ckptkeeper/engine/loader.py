@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.layout import MODEL_DIR, train_state_name
+from ..storage.local import open_regular
 from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, loads_bounded
 from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 from .staging import Stager
@@ -41,7 +42,7 @@ def read_verified(local: str, rel: str, entry: FileEntry, where: str, max_bytes:
             f"{max_bytes} ckptkeeper reads for it"
         )
     try:
-        fd = os.open(os.path.join(local, rel), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(os.path.join(local, rel))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"checkpoint {where} is corrupt: missing file {rel}") from None
     except OSError as exc:

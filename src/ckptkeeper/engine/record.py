@@ -20,11 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import xxhash
 
 from ..errors import CorruptCheckpointError
 from ..storage.layout import COMMIT_RECORD, MODEL_DIR, check_relpath, train_state_name
+from ..storage.local import open_regular
 
 __all__ = [
     "FORMAT_VERSION",
@@ -37,6 +37,7 @@ __all__ = [
     "hash_file",
     "loads_bounded",
     "new_hasher",
+    "record_is_ours",
 ]
 
 FORMAT_VERSION = 2
@@ -73,8 +74,7 @@ def hash_file(path: str, follow_links: bool = True) -> tuple[int, str]:
     """
     h = new_hasher()
     n = 0
-    flags = os.O_RDONLY | (0 if follow_links else os.O_NOFOLLOW)
-    with os.fdopen(os.open(path, flags), "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path, follow_links), "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while True:
@@ -86,19 +86,19 @@ def hash_file(path: str, follow_links: bool = True) -> tuple[int, str]:
     return n, h.hexdigest()
 
 
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_OPEN = np.zeros(256, dtype=np.int8)
-_OPEN[[ord("["), ord("{")]] = 1
-_OPEN[[ord("]"), ord("}")]] = -1
-
-
-def _depth(data: bytes) -> int:
-    # Strings may hold brackets: drop them first; the rest is a running sum, done by numpy.
-    bare = _STRINGS.sub(b"", data)
-    if not bare:
-        return 0
-    steps = _OPEN[np.frombuffer(bare, dtype=np.uint8)]
-    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+def _depth(doc: Any, limit: int) -> int:
+    # Iterative, so a deep document cannot exhaust the stack here (json's own parser stops at
+    # Python's recursion limit and raises RecursionError, which is caught as corruption).
+    deepest = 0
+    stack = [(doc, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level)
+            if deepest > limit:
+                return deepest
+            stack.extend((v, level + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def _no_constant(name: str) -> Any:
@@ -114,14 +114,14 @@ def loads_bounded(data: bytes, where: str, *, max_bytes: int, max_depth: int, al
     try:
         if len(data) > max_bytes:
             raise ValueError(f"{len(data)} bytes, more than the {max_bytes} ckptkeeper reads")
-        depth = _depth(data)
-        if depth > max_depth:
-            raise ValueError(f"nested {depth} levels deep, more than {max_depth}")
         text = data.decode("utf-8")
         kwargs: dict[str, Any] = {}
         if not allow_nonfinite:
             kwargs["parse_constant"] = _no_constant
-        return json.loads(text, **kwargs)
+        doc = json.loads(text, **kwargs)
+        if _depth(doc, max_depth) > max_depth:
+            raise ValueError(f"nested more than {max_depth} levels deep")
+        return doc
     except (ValueError, UnicodeDecodeError, RecursionError, MemoryError, OverflowError, TypeError) as exc:
         raise CorruptCheckpointError(
             f"{where} is malformed ({type(exc).__name__}: {str(exc)[:200]}); the checkpoint cannot be trusted: "
@@ -265,3 +265,19 @@ class CommitRecord:
             version=version,
             extra=extra,
         )
+
+
+def record_is_ours(data: bytes) -> bool:
+    """Whether a ``.metadata.json`` was written by ckptkeeper: a valid commit record, or a damaged
+    one that still says ``"format": "ckptkeeper"``. Anyone else's file of that name (OLMo-core's
+    marker, a user's notes) is not, and nothing next to it is ever deleted."""
+    try:
+        CommitRecord.from_json(data, "record")
+        return True
+    except CorruptCheckpointError:
+        pass
+    try:
+        doc = json.loads(data[: 1 << 20])
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == "ckptkeeper"

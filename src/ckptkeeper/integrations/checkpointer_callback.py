@@ -199,7 +199,10 @@ class CheckpointerCallback(Callback):
 
         def discover() -> list[str]:
             try:
-                existing = checkpointer.find_checkpoints(self.trainer.save_folder)
+                # Only ckptkeeper's own checkpoints are ever removed: an OLMo-core checkpoint in the
+                # folder (a run being continued) is resumed from, never deleted.
+                infos = checkpointer.list_checkpoints(self.trainer.save_folder)
+                existing = [(i.step, i.path) for i in infos if i.complete and i.flavor == "ckptkeeper"]
             except FileNotFoundError:
                 existing = []
             return removable_from_earlier_runs(self.policy, existing, self.step)

@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import distributed as D
 from ..engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, TrainingState
+from ..engine.discovery import NOT_OURS
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -109,6 +110,26 @@ def _rng_state() -> dict[str, Any]:
 def _py_rng_to_json(state: Any) -> list[Any]:
     version, internal, gauss = state
     return [version, list(internal), gauss]
+
+
+def _from_olmo_core(ts: Mapping[str, Any]) -> Mapping[str, Any]:
+    """OLMo-core's trainer state in this Trainer's shape (unchanged when it is already ours).
+
+    OLMo-core keeps each RNG state under ``{"version", "state"}`` with torch's as a list of byte
+    values; its data-loader position has no equivalent here, so a run continued from an OLMo-core
+    checkpoint starts a new pass over its data loader.
+    """
+    rng = ts.get("rng")
+    if not (isinstance(rng, Mapping) and isinstance(rng.get("python"), Mapping)):
+        return ts
+    ours: dict[str, Any] = {"python": rng["python"]["state"]}
+    torch_state = rng.get("torch")
+    if isinstance(torch_state, Mapping):
+        ours["torch"] = base64.b64encode(bytes(torch_state["state"])).decode()
+    numpy_state = rng.get("numpy")
+    if isinstance(numpy_state, Mapping):
+        ours["numpy"] = numpy_state["state"]
+    return {"global_step": ts["global_step"], "rng": ours, "data": {}, "callbacks": {}}
 
 
 def _numpy_state() -> Any:
@@ -339,8 +360,10 @@ class Trainer:
 
     def load_checkpoint(self, path: str) -> None:
         """Load the checkpoint at ``path`` (model, optimizer, extras and trainer state)."""
-        ts = self.checkpointer.load(path, self.state, check_train_state=self._check_train_state)
-        self._apply_train_state(ts)
+        ts = self.checkpointer.load(
+            path, self.state, check_train_state=lambda raw: self._check_train_state(_from_olmo_core(raw))
+        )
+        self._apply_train_state(_from_olmo_core(ts))
         self.checkpoint_loaded = True
         self.loaded_from = path
         for cb in self.callbacks:
@@ -360,7 +383,12 @@ class Trainer:
             # have a commit record) but are broken. Folders without a record are not ours.
             infos = self.checkpointer.list_checkpoints(self.save_folder)
             good = [i.path for i in reversed(infos) if i.complete]
-            broken = [(i.path, i.problem or "") for i in infos if not i.complete and i.problem != "no commit record"]
+            # Folders whose .metadata.json is somebody else's are not checkpoints of this run either.
+            broken = [
+                (i.path, i.problem or "")
+                for i in infos
+                if not i.complete and i.problem != "no commit record" and not (i.problem or "").startswith(NOT_OURS)
+            ]
             return good, broken
 
         candidates, failures = D.on_rank0(survey)

@@ -48,9 +48,9 @@ TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 
 # Canonical step names only: "step05" is somebody else's folder (ckptkeeper would write "step5").
-_STEP_RE = re.compile(r"^step(0|[1-9][0-9]{0,18})$")
-_SCRATCH_RE = re.compile(r"^\.(tmp|trash)-step(0|[1-9][0-9]{0,18})-[0-9a-f]{8}$")
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$|^\.[A-Za-z0-9_][A-Za-z0-9._-]{0,253}$")
+_STEP_RE = re.compile(r"step(0|[1-9][0-9]{0,18})")
+_SCRATCH_RE = re.compile(r"\.(tmp|trash)-step(0|[1-9][0-9]{0,18})-[0-9a-f]{8}")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}|\.[A-Za-z0-9_][A-Za-z0-9._-]{0,253}")
 _MAX_DEPTH = 8
 
 
@@ -64,21 +64,21 @@ def parse_step(name: str) -> int | None:
 
     Only the canonical spelling counts: ``step042`` or ``step 42`` are not ckptkeeper's.
     """
-    m = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    m = _STEP_RE.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
 
 
 def scratch_name(kind: str, step: int, token: str) -> str:
     """``.tmp-step{N}-{token}`` or ``.trash-step{N}-{token}`` (``token``: 8 lowercase hex digits)."""
     name = f".{kind}-{step_dir_name(step)}-{token}"
-    if not _SCRATCH_RE.match(name):
+    if not _SCRATCH_RE.fullmatch(name):
         raise ValueError(f"not a valid scratch name: {name!r}")
     return name
 
 
 def is_scratch_name(name: str) -> bool:
     """Whether ``name`` is exactly a scratch folder name ckptkeeper writes (never just any ``.tmp-*``)."""
-    return _SCRATCH_RE.match(name) is not None
+    return _SCRATCH_RE.fullmatch(name) is not None
 
 
 def train_state_name(rank: int) -> str:
@@ -106,6 +106,6 @@ def check_relpath(rel: object) -> str | None:
     if len(parts) > _MAX_DEPTH:
         return f"file name {rel[:80]!r} is nested too deeply"
     for part in parts:
-        if part in ("", ".", "..") or not _SEGMENT_RE.match(part):
+        if part in ("", ".", "..") or not _SEGMENT_RE.fullmatch(part):
             return f"file name {rel[:80]!r} is not a plain relative path inside the checkpoint"
     return None

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from ..errors import DiskFullError, StorageAccessError
 from .base import FileInfo, Storage
 
-__all__ = ["LocalStorage", "fsync_dir", "translate_os_error"]
+__all__ = ["LocalStorage", "fsync_dir", "open_regular", "translate_os_error"]
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 
@@ -51,6 +51,24 @@ def translate_os_error(path: str) -> Iterator[None]:
                 "permissions or choose another save folder"
             ) from exc
         raise
+
+
+def open_regular(path: str, follow_links: bool = False) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file (OSError otherwise).
+
+    A FIFO or device would block a read forever and a folder cannot be read; both are refused
+    before any read. Without ``follow_links`` a symlink is refused too.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _strip(path: str) -> str:
@@ -99,7 +117,7 @@ class LocalStorage(Storage):
         return os.path.getsize(_strip(path))
 
     def read_bytes(self, path: str) -> bytes:
-        with open(_strip(path), "rb") as f:
+        with os.fdopen(open_regular(_strip(path), follow_links=True), "rb") as f:
             return f.read()
 
     def _write_temp(self, path: str, data: bytes) -> str:
@@ -168,6 +186,10 @@ class LocalStorage(Storage):
         probe = root
         while probe and not os.path.exists(probe):
             probe = os.path.dirname(probe)
+        if probe and probe != root and not os.path.isdir(probe):
+            raise StorageAccessError(
+                f"cannot create save folder {root}: {probe} is a file, not a folder; choose another path"
+            )
         if probe and not os.access(probe, os.W_OK):
             raise StorageAccessError(
                 f"cannot write to save folder {root}: {probe} is not writable; fix its permissions"
