@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -65,6 +66,7 @@ from .deleter import (
 from .discovery import CheckpointInfo
 from .fastio import DATA_FILE, Segment, can_use_fast_path, load_order, parse_layout, read_fast, write_fast
 from .loader import Rollback, check_fit, read_metadata, read_train_state
+from .metrics import emit
 from .record import CommitRecord, FileEntry, hash_file
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .staging import Stager
@@ -89,6 +91,10 @@ class SaveResult:
     """Seconds the caller was blocked (for async saves: the snapshot)."""
     durable_s: float
     """Seconds from the call until the checkpoint was committed."""
+    files: int = 0
+    """Files written (across all ranks)."""
+    retries: int = 0
+    """Storage requests this process retried during the save (S3; 0 where the client does not say)."""
 
     @property
     def throughput(self) -> float:
@@ -188,7 +194,9 @@ class Checkpointer:
         self.wait()
         tensors, meta = state.capture()
         payload = self._train_payload(step, train_state, meta)
-        return self._write(save_folder, step, tensors, payload, ephemeral, t0)
+        result = self._write(save_folder, step, tensors, payload, ephemeral, t0)
+        _emit_save(result, is_async=False)
+        return result
 
     def save_async(
         self,
@@ -240,7 +248,9 @@ class Checkpointer:
 
         def run() -> SaveResult:
             r = self._write(save_folder, step, staged, payload, ephemeral, t0)
-            return SaveResult(r.step, r.path, ephemeral, r.bytes, blocked, r.durable_s)
+            result = dataclasses.replace(r, blocked_s=blocked)
+            _emit_save(result, is_async=True)
+            return result
 
         fut = self._executor.submit(run)
         with self._lock:
@@ -293,6 +303,7 @@ class Checkpointer:
         t0: float,
     ) -> SaveResult:
         storage = storage_for(save_folder)
+        retries_before = getattr(storage, "retries", 0)
         final = storage.join(save_folder, step_dir_name(step))
         pg = self.process_group
         rank, world = D.get_rank(pg), D.get_world_size(pg)
@@ -383,7 +394,8 @@ class Checkpointer:
             elapsed,
             total / 2**20 / max(elapsed, 1e-9),
         )
-        return SaveResult(step, final, ephemeral, total, elapsed, elapsed)
+        retries = getattr(storage, "retries", 0) - retries_before
+        return SaveResult(step, final, ephemeral, total, elapsed, elapsed, len(files), retries)
 
     def _upload(self, storage: Storage, local_work: str, final: str, names: list[str]) -> None:
         with ThreadPoolExecutor(max_workers=self.upload_threads) as pool:
@@ -537,7 +549,9 @@ class Checkpointer:
         rank), read with ``torch.load(weights_only=True)`` and turned into plain data.
         """
         self._settle()
+        t0 = time.perf_counter()
         storage = storage_for(path)
+        retries_before = getattr(storage, "retries", 0)
         pg = self.process_group
         rank = D.get_rank(pg)
         local = storage.local_path(path)
@@ -563,7 +577,10 @@ class Checkpointer:
 
                 record = agree(check, None, pg, load_error)[rank]
                 verified = self.verify_checksums and "layout" not in record.extra
-            return self._load_verified(path, local, record, state, verified, check_train_state)
+            train_state = self._load_verified(path, local, record, state, verified, check_train_state)
+            emit("load", path=path, step=record.step, bytes=record.total_bytes, files=len(record.files),
+                 seconds=time.perf_counter() - t0, retries=getattr(storage, "retries", 0) - retries_before)  # fmt: skip
+            return train_state
         finally:
             if spool is not None:
                 shutil.rmtree(spool, ignore_errors=True)
@@ -744,6 +761,11 @@ class Checkpointer:
         the announced objects), and the unfinished multipart uploads those intents announced.
         """
         return clean_save_folder(save_folder)
+
+
+def _emit_save(r: SaveResult, is_async: bool) -> None:
+    emit("save", path=r.path, step=r.step, ephemeral=r.ephemeral, bytes=r.bytes, files=r.files,
+         blocked_s=r.blocked_s, durable_s=r.durable_s, retries=r.retries, **{"async": is_async})  # fmt: skip
 
 
 def _written_by(rel: str, rank: int) -> bool:

@@ -31,6 +31,9 @@ class Storage(ABC):
     supports_rename: bool = False
     """True where a whole folder can be renamed atomically (local disk)."""
 
+    retries: int = 0
+    """Requests retried so far by this backend's client (0 where the client does not report them)."""
+
     is_remote: bool = False
     """True for URL backends (object stores); the specification's rank-0 rules differ for them."""
 
