@@ -22,7 +22,7 @@ from ckptkeeper.storage.layout import COMMIT_RECORD
 
 TARGETS = [COMMIT_RECORD, "model_and_optim/.metadata", "train/rank0.json"]
 MUTATIONS = ["flip", "truncate", "extend", "zero", "replace", "forged"]
-N = 1200
+N = 1000
 
 
 class Counter:

@@ -173,7 +173,10 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
                 "wrote it (an OLMo-core checkpoint, or somebody else's folder); delete it yourself if it is not needed"
             )
         trash = os.path.join(parent, scratch_name("trash", step, uuid.uuid4().hex[:8]))
-        os.rename(local, trash)  # one atomic step: from here no reader sees step{N}
+        try:
+            os.rename(local, trash)  # one atomic step: from here no reader sees step{N}
+        except FileNotFoundError:
+            return False  # removed meanwhile by another process sharing this disk
         fsync_dir(parent)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(trash, COMMIT_RECORD))
