@@ -164,3 +164,37 @@ def test_cp_of_a_corrupt_checkpoint_fails_and_leaves_nothing(tmp_path: Path, fol
     data.write_bytes(bytes(raw))
     assert main(["cp", str(folder / "step30"), str(tmp_path / "dst")]) == 1
     assert not (tmp_path / "dst").exists() or os.listdir(tmp_path / "dst") == []
+
+
+def test_the_commands_on_an_olmo_core_save_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import hashlib
+    import shutil
+
+    data = Path(__file__).resolve().parents[1] / "data" / "olmo_core"
+    expected = json.loads((data / "expected.json").read_text())["checkpoints"]["step2"]["tensors"]
+    run = tmp_path / "olmo"
+    shutil.copytree(data / "run", run)
+    capsys.readouterr()
+    assert main(["ls", str(run), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["complete"], r["format"], r["ephemeral"]) for r in rows] == [
+        (1, True, "olmo-core", False), (2, True, "olmo-core", True)
+    ]  # fmt: skip
+    assert "malformed" not in json.dumps(rows) and "delete" not in json.dumps(rows)
+    assert main(["verify", str(run)]) == 0
+    assert "no checksums" in capsys.readouterr().out
+    assert main(["inspect", str(run / "step2"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["record"]["format"] == "olmo-core" and info["train_state"]["global_step"] == 2
+    assert {t["name"] for t in info["tensors"]} >= {n for n in expected if n.startswith("model.")}
+    out = tmp_path / "olmo.safetensors"
+    assert main(["export", str(run / "step2"), str(out)]) == 0
+    from safetensors.torch import load_file
+
+    for name, t in load_file(str(out)).items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert hashlib.sha256(raw).hexdigest() == expected[f"model.{name}"]["sha256"], name
+    assert main(["cp", str(run / "step2"), str(tmp_path / "copy")]) == 0
+    assert main(["verify", str(tmp_path / "copy" / "step2")]) == 0
+    assert main(["rm", str(run / "step1"), "--yes"]) == 1  # not ckptkeeper's: never deleted
+    assert (run / "step1").is_dir()

@@ -361,3 +361,20 @@ def test_a_refused_pickle_cannot_patch_allowed_classes_for_the_process(
     assert metadata.MetadataIndex.__hash__ is before["hash"]
     assert dict(vars(torch.serialization._get_layout)) == before["layout_attrs"]
     ckpt.load(str(tmp_path / "b" / "step2"), _state(3))  # later loads are unaffected
+
+
+def test_rollback_restores_exactly_the_pieces_it_backed_up() -> None:
+    from ckptkeeper.engine.loader import Rollback
+    from ckptkeeper.engine.staging import Stager
+
+    t = torch.arange(8, dtype=torch.float32)
+    tree = {"model": {"w": t}}
+    guard = Rollback(Stager(), tree, incremental=True)
+    guard.before_write("model.w", 0, 16)  # the first four floats are about to be overwritten
+    t[:8] = -1.0  # the load writes them (and, here, more than it announced)
+    guard.restore()
+    assert t[:4].tolist() == [0.0, 1.0, 2.0, 3.0] and t[4:].tolist() == [-1.0] * 4
+    full = Rollback(Stager(), tree)  # up front: everything
+    t.fill_(7.0)
+    full.restore()
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0, -1.0, -1.0, -1.0, -1.0]

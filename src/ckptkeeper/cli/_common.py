@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 from ..errors import ConfigurationError
 
-__all__ = ["confirm", "human", "progress"]
+__all__ = ["confirm", "human", "progress", "require_local"]
 
 
 def human(n: int) -> str:
@@ -45,3 +45,15 @@ def progress(description: str, total: int | None) -> Iterator[Callable[[int], No
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def require_local(path: str, want_folder: bool = True) -> None:
+    """ConfigurationError (one line, exit 1) when a local ``path`` is missing, not a folder or unreadable.
+
+    URLs pass: object-store prefixes are not folders, and an empty listing is an answer.
+    """
+    from .ls import local_problem
+
+    problem = local_problem(path, want_folder)
+    if problem is not None:
+        raise ConfigurationError(problem)

@@ -6,8 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ._common import human, progress
-from .ls import local_problem
+from ._common import human, progress, require_local
 
 __all__ = ["add_parser", "run"]
 
@@ -35,10 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.transfer import copy_checkpoint
     from ..storage import parse_step, storage_for
 
-    problem = local_problem(args.src)
-    if problem is not None:
-        print(f"ckptkeeper cp: error: {problem}", file=sys.stderr)
-        return 1
+    require_local(args.src)
     src = args.src.rstrip("/")
     if parse_step(src.rsplit("/", 1)[-1]) is not None:
         sources = [src]

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import uuid
 from typing import Any
 
 from ..errors import ConfigurationError
-from ._common import human, progress
-from .ls import local_problem
+from ._common import human, progress, require_local
 
 __all__ = ["add_parser", "run"]
 
@@ -47,10 +45,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper export``; returns the exit code."""
-    problem = local_problem(args.path)
-    if problem is not None:
-        print(f"ckptkeeper export: error: {problem}", file=sys.stderr)
-        return 1
+    require_local(args.path)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise ConfigurationError(f"cannot write {args.out}: folder {out_dir} does not exist")

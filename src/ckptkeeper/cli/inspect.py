@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from typing import Any
 
 from ..errors import CkptkeeperError
-from ._common import human
-from .ls import local_problem
+from ._common import human, require_local
 
 __all__ = ["add_parser", "describe", "run"]
 
@@ -75,10 +73,7 @@ def describe(path: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper inspect``; returns the exit code."""
-    problem = local_problem(args.path)
-    if problem is not None:
-        print(f"ckptkeeper inspect: error: {problem}", file=sys.stderr)
-        return 1
+    require_local(args.path)
     info = describe(args.path)
     if args.json:
         print(json.dumps(info, indent=1, default=str))

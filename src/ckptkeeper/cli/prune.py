@@ -6,8 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ._common import confirm, human
-from .ls import local_problem
+from ._common import confirm, human, require_local
 from .train import int_in_range
 
 __all__ = ["add_parser", "run"]
@@ -50,10 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from ..policy import PruneRules, plan_prune
 
     rules = PruneRules(keep_last=args.keep_last, keep_every=args.keep_every, keep_steps=tuple(args.keep_steps))
-    problem = local_problem(args.folder)
-    if problem is not None:
-        print(f"ckptkeeper prune: error: {problem}", file=sys.stderr)
-        return 1
+    require_local(args.folder)
     complete = {i.step: i for i in discovery.list_checkpoints(args.folder) if i.complete}
     plan = plan_prune(complete, rules)
     for step, why in plan.keep.items():

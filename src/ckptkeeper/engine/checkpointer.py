@@ -64,7 +64,7 @@ from .deleter import (
     write_intent,
 )
 from .discovery import CheckpointInfo
-from .fastio import DATA_FILE, Segment, can_use_fast_path, load_order, parse_layout, read_fast, write_fast
+from .fastio import DATA_FILE, Segment, can_use_fast_path, parse_layout, read_fast, write_fast
 from .loader import Rollback, check_fit, read_metadata, read_train_state
 from .metrics import emit
 from .record import CommitRecord, FileEntry, hash_file
@@ -646,7 +646,7 @@ class Checkpointer:
         if not self._rollback_loads:
             pass
         elif self.staging_budget_bytes is None or need <= self.staging_budget_bytes:
-            guard = Rollback(self._stager, tensors, load_order(tensors) if fast else None)
+            guard = Rollback(self._stager, tensors, incremental=fast)
         elif not verified:
             # No memory for a backup: read every byte once to check it before anything is written.
             log.info("the load's backup would exceed the staging budget; verifying %s before loading", path)

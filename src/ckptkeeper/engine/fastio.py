@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CorruptCheckpointError
 from .record import FileEntry, new_hasher
 
-__all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "load_order", "parse_layout", "read_fast", "write_fast"]
+__all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "parse_layout", "read_fast", "write_fast"]
 
 DATA_FILE = "__0_0.distcp"
 _CHUNK = 64 << 20
@@ -286,10 +286,15 @@ def _metadata(items: list[Any], model_dir: str) -> Metadata:
     )
 
 
-def _preadinto(fd: int, view: memoryview, offset: int, hasher: Any, where: str) -> None:
+def _preadinto(
+    fd: int, view: memoryview, offset: int, hasher: Any, where: str, before: Callable[[int, int], None] | None = None
+) -> None:
     pos = 0
     while pos < len(view):
-        n = os.preadv(fd, [view[pos : pos + _CHUNK]], offset + pos)
+        piece = view[pos : pos + _CHUNK]
+        if before is not None:
+            before(pos, len(piece))  # the loader backs these bytes up just before they are overwritten
+        n = os.preadv(fd, [piece], offset + pos)
         if n == 0:
             raise CorruptCheckpointError(f"{where} ends early (truncated file)")
         hasher.update(view[pos : pos + n])
@@ -302,13 +307,13 @@ def read_fast(
     by_fqn: Mapping[str, Mapping[str, Segment]],
     verify: bool = True,
     threads: int = 2,
-    before_write: Callable[[str], None] | None = None,
+    before_write: Callable[[str, int, int], None] | None = None,
 ) -> None:
     """Fill the tensors of ``tree`` in place from a checkpoint written by :func:`write_fast`.
 
     ``by_fqn`` is :func:`parse_layout`'s result. Each tensor's bytes are read straight into it
-    (several tensors at once, largest first); ``before_write(fqn)`` is called just before a
-    tensor is first written (the loader backs it up there). With ``verify`` every segment's
+    (several tensors at once, largest first); ``before_write(fqn, start, length)`` is called just
+    before each piece of a tensor is written (the loader backs it up there). With ``verify`` every segment's
     checksum is checked on the way and a mismatch raises CorruptCheckpointError naming the file
     and tensor.
     """
@@ -332,9 +337,10 @@ def read_fast(
                 seg = segs[kind]
                 h = new_hasher()
                 if kind == "data":
+                    hook = None
                     if before_write is not None:
-                        before_write(fqn)
-                    _preadinto(fd, _bytes_of(dest.detach()), seg.offset, h, where)
+                        hook = (lambda name: lambda start, length: before_write(name, start, length))(fqn)
+                    _preadinto(fd, _bytes_of(dest.detach()), seg.offset, h, where, hook)
                 else:
                     _preadinto(fd, memoryview(bytearray(seg.length)), seg.offset, h, where)
                 if verify and h.hexdigest() != seg.xxh3_64:
@@ -355,8 +361,3 @@ def read_fast(
                 raise error
     finally:
         os.close(fd)
-
-
-def load_order(tree: Mapping[str, Any]) -> list[str]:
-    """The order in which :func:`read_fast` starts writing tensors (largest first)."""
-    return [f for f, _, t in sorted(_leaves(tree), key=lambda x: -x[2].numel())]

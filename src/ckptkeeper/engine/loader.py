@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -133,58 +133,47 @@ class Rollback:
     """Backs up destination tensors just before they are overwritten, and puts them back on failure.
 
     The backup lives in a :class:`Stager`'s buffers (the ones async saves reuse, so a load costs no
-    memory a save would not). With ``pipelined`` a background thread copies tensors in the order
-    the reader will need them, so the copy (memory speed) runs ahead of the reads (disk speed);
-    :meth:`before_write` blocks a reader only until its own tensor is safe.
+    memory a save would not). With ``incremental`` the reader backs up each piece of a tensor just
+    before it reads into it (:meth:`before_write` with a byte range), so the copies (memory speed)
+    spread over the reader threads and overlap with the reads (disk speed) instead of standing in
+    front of them. Without it, everything is copied at once, up front.
     """
 
-    def __init__(self, stager: Stager, tensors: Mapping[str, Any], order: Sequence[str] | None = None) -> None:
+    def __init__(self, stager: Stager, tensors: Mapping[str, Any], incremental: bool = False) -> None:
         self._leaves = dict(flatten_tensors(tensors))
         self._buffers = stager.buffers_for(tensors)
-        self._done = {name: threading.Event() for name in self._leaves}
-        self._copied: set[str] = set()
-        self._error: BaseException | None = None
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        if order is not None:
-            self._order = list(order)
-            self._thread = threading.Thread(target=self._run, name="ckptkeeper-backup", daemon=True)
-            self._thread.start()
-        else:
-            for name in self._leaves:
-                self._copy(name)
+        self._saved: dict[str, int] = {}  # bytes backed up from the start of each tensor
+        self._lock = threading.Lock()
+        if not incremental:
+            for name, t in self._leaves.items():
+                self._buffers[name].copy_(_local(t).detach())
+                self._saved[name] = -1  # the whole tensor
 
-    def _copy(self, name: str) -> None:
-        self._buffers[name].copy_(_local(self._leaves[name]).detach())
-        self._copied.add(name)
-        self._done[name].set()
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().reshape(-1).view(torch.uint8)
 
-    def _run(self) -> None:
-        try:
-            for name in self._order:
-                if self._stop:
-                    break
-                self._copy(name)
-        except BaseException as exc:  # surfaced by before_write in the reader threads
-            self._error = exc
-        finally:
-            for ev in self._done.values():
-                ev.set()
+    def before_write(self, name: str, start: int, length: int) -> None:
+        """Back up bytes ``[start, start + length)`` of tensor ``name`` (called just before they are overwritten).
 
-    def before_write(self, name: str) -> None:
-        """Block until ``name`` is backed up (called by the reader just before writing it)."""
-        self._done[name].wait()
-        if name not in self._copied:
-            raise CheckpointError(f"could not back up {name} before loading into it: {self._error}")
+        Pieces of one tensor come in order, from its first byte on.
+        """
+        if length:
+            src = self._bytes(_local(self._leaves[name]))
+            self._bytes(self._buffers[name])[start : start + length].copy_(src[start : start + length])
+        with self._lock:
+            self._saved[name] = start + length
 
     def finish(self) -> None:
-        """Stop the background copy (after a load, successful or not)."""
-        self._stop = True
-        if self._thread is not None:
-            self._thread.join()
+        """Nothing to stop: kept so callers need not know which mode ran."""
 
     def restore(self) -> None:
-        """Put every backed-up tensor back as it was before the load."""
-        self.finish()
-        for name in self._copied:
-            _local(self._leaves[name]).detach().copy_(self._buffers[name])
+        """Put every backed-up byte back as it was before the load."""
+        with self._lock:
+            saved = dict(self._saved)
+        for name, upto in saved.items():
+            dest = _local(self._leaves[name])
+            if upto < 0:
+                dest.detach().copy_(self._buffers[name])
+            elif upto:
+                self._bytes(dest)[:upto].copy_(self._bytes(self._buffers[name])[:upto])
