@@ -101,7 +101,7 @@ def test_prune_dry_run_deletes_nothing_then_prunes_by_the_rules(tmp_path: Path, 
     assert res.returncode == 0, res.stderr
     assert sorted(os.listdir(folder)) == ["step20", "step40", "step50"]  # 50: the newest always stays
     none = ck("prune", str(folder), "--yes", cwd=tmp_path)
-    assert none.returncode == 1 and "keep-rule" in none.stderr
+    assert none.returncode == 1 and "--keep-last" in none.stderr
 
 
 def test_inspect_shows_record_trainer_state_and_tensors(tmp_path: Path, folder: Path) -> None:
@@ -198,3 +198,65 @@ def test_the_commands_on_an_olmo_core_save_folder(tmp_path: Path, capsys: pytest
     assert main(["verify", str(tmp_path / "copy" / "step2")]) == 0
     assert main(["rm", str(run / "step1"), "--yes"]) == 1  # not ckptkeeper's: never deleted
     assert (run / "step1").is_dir()
+
+
+# ---------------------------------------------------------------- found by an outside attack (2026-12-01)
+
+
+def test_export_never_replaces_something_that_is_not_a_new_or_regular_file(tmp_path: Path, folder: Path) -> None:
+    fifo = tmp_path / "f.fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "adir").mkdir()
+    data = folder / "step30" / "model_and_optim" / "__0_0.distcp"
+    before = data.read_bytes()
+    for out in (str(fifo), str(tmp_path / "adir"), str(data), "", "s3://bucket/out.st"):
+        assert main(["export", str(folder / "step30"), out]) == 1, out
+    assert fifo.is_fifo() and data.read_bytes() == before
+    out = tmp_path / "ok.safetensors"
+    assert main(["export", str(folder / "step30"), str(out)]) == 0
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_rm_keeps_files_the_checkpoint_does_not_list(tmp_path: Path, folder: Path) -> None:
+    (folder / "step10" / "NOTES.txt").write_text("precious")
+    assert main(["rm", str(folder / "step10"), "--yes"]) == 0
+    assert (folder / "step10" / "NOTES.txt").read_text() == "precious"
+    assert sorted(p.name for p in (folder / "step10").iterdir()) == ["NOTES.txt"]
+    assert 10 not in [s for s, _ in Checkpointer().find_checkpoints(str(folder))]
+
+
+def test_prune_and_rm_leave_olmo_core_checkpoints_and_inspect_errors_are_one_line(
+    tmp_path: Path, folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    data = Path(__file__).resolve().parents[1] / "data" / "olmo_core" / "run"
+    for step in ("step1", "step2"):
+        shutil.copytree(data / step, folder / step)
+    assert main(["prune", str(folder), "--keep-last", "1", "--yes"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["step1", "step2", "step50"]
+    assert main(["cp", str(folder / "step2"), "memory://olmo-copy"]) == 0
+    assert main(["rm", "memory://olmo-copy/step2", "--yes"]) == 1
+    capsys.readouterr()
+    (folder / "step7").mkdir()
+    for path in (folder / "step7", folder, folder / "step50" / "model_and_optim"):
+        assert main(["inspect", str(path)]) == 1, path
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 3
+
+
+def test_cp_carries_on_past_a_corrupt_checkpoint_and_cleans_its_own_leftovers(tmp_path: Path, folder: Path) -> None:
+    data = folder / "step20" / "model_and_optim" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 1
+    data.write_bytes(bytes(raw))
+    dst = tmp_path / "dst"
+    (dst / ".tmp-step30-deadbeef" / "model_and_optim").mkdir(parents=True)  # a killed earlier copy
+    assert main(["cp", str(folder), str(dst)]) == 1
+    assert sorted(p.name for p in dst.iterdir()) == ["step10", "step30", "step40", "step50"]

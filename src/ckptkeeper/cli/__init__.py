@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -82,4 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ckptkeeper {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    except BrokenPipeError:
+        # The reader went away (`ckptkeeper ls --json | head`): not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return code

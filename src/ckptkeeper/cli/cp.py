@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..errors import CkptkeeperError
 from ._common import human, progress, require_local
 
 __all__ = ["add_parser", "run"]
@@ -30,6 +31,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper cp``; returns the exit code."""
     from ..engine import discovery
+    from ..engine.deleter import clean_save_folder
     from ..engine.lease import SaveFolderLease
     from ..engine.transfer import copy_checkpoint
     from ..storage import parse_step, storage_for
@@ -48,10 +50,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"ckptkeeper cp: error: no complete checkpoint in {src}", file=sys.stderr)
             return 1
     storage_for(args.dst).check_access(args.dst)
+    failed = 0
     with SaveFolderLease(args.dst):
+        # Leftovers of an earlier, interrupted copy into this folder (provably ours) go first.
+        clean_save_folder(args.dst)
         for s in sources:
             total = sum(f.size for f in storage_for(s).walk(s))
-            with progress(f"copying {s.rsplit('/', 1)[-1]}", total) as advance:
-                out = copy_checkpoint(s, args.dst, advance)
+            try:
+                with progress(f"copying {s.rsplit('/', 1)[-1]}", total) as advance:
+                    out = copy_checkpoint(s, args.dst, advance)
+            except CkptkeeperError as exc:
+                if len(sources) == 1:
+                    raise
+                # Rescuing a run: carry on with the other checkpoints, and fail at the end.
+                failed += 1
+                print(f"ckptkeeper cp: error: {s}: {exc}", file=sys.stderr)
+                continue
             print(f"copied {s} -> {out} ({human(total)}, verified)")
-    return 0
+    return 1 if failed else 0

@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..storage.layout import parse_step
 from ._common import human, progress, require_local
 
 __all__ = ["add_parser", "run"]
@@ -43,19 +44,43 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _check_out(out: str) -> None:
+    """OUT must be a new or regular local file, and not inside a checkpoint (never overwrite one)."""
+    if not out or "://" in out:
+        raise ConfigurationError(f"OUT must be a local file path, got {out!r}; export locally, then upload it")
+    if os.path.lexists(out) and (os.path.islink(out) or not os.path.isfile(out)):
+        raise ConfigurationError(f"{out} exists and is not a regular file; give a new file name")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ConfigurationError(f"cannot write {out}: folder {folder} does not exist")
+    probe = folder
+    for _ in range(16):
+        if parse_step(os.path.basename(probe)) is not None and os.path.lexists(os.path.join(probe, ".metadata.json")):
+            raise ConfigurationError(f"{out} is inside the checkpoint {probe}; write the export somewhere else")
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper export``; returns the exit code."""
     require_local(args.path)
+    _check_out(args.out)
     out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise ConfigurationError(f"cannot write {args.out}: folder {out_dir} does not exist")
     import torch
 
     from ..engine.reader import read_dcp_metadata, read_tensors
 
     metadata = read_dcp_metadata(args.path)
     prefixes = ("model.", "optim.") if args.include_optimizer else ("model.",)
-    names = [n for n in metadata.state_dict_metadata if n.startswith(prefixes)]
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    names = [
+        n
+        for n, md in metadata.state_dict_metadata.items()
+        if n.startswith(prefixes) and isinstance(md, TensorStorageMetadata)
+    ]
     if not names:
         raise ConfigurationError(f"checkpoint {args.path} holds no model tensors (no keys starting with 'model.')")
     with progress("reading tensors", None):
@@ -85,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
             torch.save(out, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as any new file; temporary files start private
         os.replace(tmp, args.out)
     finally:
         if os.path.exists(tmp):

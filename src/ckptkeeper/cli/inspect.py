@@ -47,9 +47,14 @@ def describe(path: str) -> dict[str, Any]:
         record = {"step": rec.step, "ephemeral": rec.ephemeral, "world_size": rec.world_size,
                   "created_unix": rec.created_unix, "version": rec.version, "format": "ckptkeeper",
                   "files": files}  # fmt: skip
-    except CkptkeeperError:
-        raw = json.loads(storage.read_bytes(storage.join(path, ".metadata.json"))[:65536])
-        record = {"format": "olmo-core", **raw} if isinstance(raw, dict) else None
+    except CkptkeeperError as exc:
+        try:
+            marker = discovery.parse_olmo_marker(storage.read_bytes(storage.join(path, ".metadata.json")))
+        except OSError:
+            marker = None
+        if marker is None:
+            raise exc from None  # neither ours nor OLMo-core's: the record's error says what is wrong
+        record = {"format": "olmo-core", "ephemeral": marker[0], "version": marker[1]}
     metadata = read_dcp_metadata(path)
     tensors = []
     for name, md in sorted(metadata.state_dict_metadata.items()):

@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # Written to a log or a pipe, the table keeps its columns instead of folding into 80.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     if not infos:
         console.print(f"no checkpoint folders in {args.path}")
         return 0

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..errors import ConfigurationError
 from ._common import confirm, human, require_local
 from .train import int_in_range
 
@@ -48,10 +49,19 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.lease import SaveFolderLease
     from ..policy import PruneRules, plan_prune
 
+    if args.keep_last is None and args.keep_every is None and not args.keep_steps:
+        raise ConfigurationError(
+            "give at least one of --keep-last, --keep-every or --keep-steps; pruning with none would remove "
+            "every checkpoint but the newest"
+        )
     rules = PruneRules(keep_last=args.keep_last, keep_every=args.keep_every, keep_steps=tuple(args.keep_steps))
     require_local(args.folder)
-    complete = {i.step: i for i in discovery.list_checkpoints(args.folder) if i.complete}
+    infos = discovery.list_checkpoints(args.folder)
+    complete = {i.step: i for i in infos if i.complete and i.flavor == "ckptkeeper"}
     plan = plan_prune(complete, rules)
+    for i in infos:
+        if i.complete and i.flavor != "ckptkeeper":
+            print(f"keep    step {i.step} ({i.flavor}: not ckptkeeper's, never removed)")
     for step, why in plan.keep.items():
         print(f"keep    step {step} ({', '.join(why)})")
     freed = sum(complete[s].bytes for s in plan.remove)

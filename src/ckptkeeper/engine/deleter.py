@@ -137,7 +137,9 @@ def _ours_on_object_store(storage: Storage, final: str) -> list[str] | None:
         data = storage.read_bytes(record_path)
     except FileNotFoundError:
         data = None
-    if data is not None and record_is_ours(data):
+    if data is not None and not record_is_ours(data):
+        return None  # somebody else's record (OLMo-core's marker, a user's file): nothing here is ours
+    if data is not None:
         has_record = True
         with contextlib.suppress(CorruptCheckpointError):  # damaged: the intents still say what is ours
             listed.update(CommitRecord.from_json(data, record_path).files)
@@ -172,6 +174,11 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
                 f"refusing to remove {local}: it has no ckptkeeper commit record, so ckptkeeper cannot tell it "
                 "wrote it (an OLMo-core checkpoint, or somebody else's folder); delete it yourself if it is not needed"
             )
+        foreign = _unlisted_local_files(local)
+        if foreign:
+            # Somebody put files of their own in the checkpoint (eval outputs, notes): the record
+            # goes first (invisible at once), then exactly the listed files; theirs stay in step{N}.
+            return _remove_listed_only(local, step, foreign, run_in_background)
         trash = os.path.join(parent, scratch_name("trash", step, uuid.uuid4().hex[:8]))
         try:
             os.rename(local, trash)  # one atomic step: from here no reader sees step{N}
@@ -208,6 +215,48 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
              retries=getattr(storage, "retries", 0) - before)  # fmt: skip
 
     (run_in_background or _now)(delete_remote)
+    return True
+
+
+def _unlisted_local_files(folder: str) -> list[str]:
+    """Files and links in a local checkpoint that its record does not name (nor its intents)."""
+    try:
+        with os.fdopen(open_regular(os.path.join(folder, COMMIT_RECORD)), "rb") as f:
+            listed = set(CommitRecord.from_json(f.read(MAX_RECORD_BYTES + 1), folder).files)
+    except (OSError, CorruptCheckpointError):
+        return []  # our record, unreadable: the folder is ours as a whole
+    out = []
+    for dirpath, dirnames, names in os.walk(folder):
+        for name in names + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = os.path.relpath(os.path.join(dirpath, name), folder).replace(os.sep, "/")
+            if rel != COMMIT_RECORD and rel not in listed and not rel.startswith(INTENT_DIR + "/"):
+                out.append(rel)
+    return out
+
+
+def _remove_listed_only(
+    folder: str, step: int, foreign: list[str], run_in_background: Callable[[Callable[[], Any]], Any] | None
+) -> bool:
+    with os.fdopen(open_regular(os.path.join(folder, COMMIT_RECORD)), "rb") as f:
+        listed = sorted(CommitRecord.from_json(f.read(MAX_RECORD_BYTES + 1), folder).files)
+    os.unlink(os.path.join(folder, COMMIT_RECORD))
+    fsync_dir(folder)
+
+    def delete_listed() -> None:
+        t0 = time.perf_counter()
+        size = 0
+        for rel in listed:
+            with contextlib.suppress(FileNotFoundError):
+                size += os.lstat(os.path.join(folder, rel)).st_size
+                os.unlink(os.path.join(folder, rel))
+        for dirpath, _, _ in sorted(os.walk(folder, topdown=False), key=lambda w: -len(w[0])):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)  # only empty ones go
+        log.warning("removed checkpoint %s but kept files ckptkeeper did not write: %s", folder, ", ".join(foreign[:5]))
+        emit("remove", path=folder, step=step, files=len(listed), bytes=size, seconds=time.perf_counter() - t0,
+             retries=0)  # fmt: skip
+
+    (run_in_background or _now)(delete_listed)
     return True
 
 
