@@ -693,10 +693,8 @@ class Checkpointer:
                 "model it was saved from, or start a fresh save folder"
             ) from inner
         finally:
-            if guard is not None:
-                guard.finish()
-                if not had_buffers:
-                    self._stager.release()  # the backup was only for this load
+            if guard is not None and not had_buffers:
+                self._stager.release()  # the backup was only for this load
         train_state: dict[str, Any] = doc.get("train_state", {})
         return train_state
 

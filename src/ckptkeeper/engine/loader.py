@@ -164,9 +164,6 @@ class Rollback:
         with self._lock:
             self._saved[name] = start + length
 
-    def finish(self) -> None:
-        """Nothing to stop: kept so callers need not know which mode ran."""
-
     def restore(self) -> None:
         """Put every backed-up byte back as it was before the load."""
         with self._lock:

@@ -308,46 +308,6 @@ def _plain(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _check_index(where: str, index: Any) -> None:
-    if type(index) is not _dcp_md.MetadataIndex or not isinstance(index.fqn, str):
-        raise _corrupt(where, f"storage key {type(index).__name__} is not a MetadataIndex")
-
-
-def _fields_problem(obj: Any) -> str | None:
-    # BUILD can give an allowed dataclass any attribute; only the declared fields may be there.
-    declared = {f.name for f in dataclasses.fields(obj)}
-    extra = set(vars(obj)) - declared
-    return f"carries undeclared attributes {sorted(extra)[:4]}" if extra else None
-
-
-def _size_ok(value: Any) -> bool:
-    return type(value) is torch.Size and all(type(n) is int and n >= 0 for n in value)
-
-
-def _entry_problem(entry: Any) -> str | None:
-    """What is wrong with one ``state_dict_metadata`` entry, or None."""
-    if type(entry) is _dcp_md.BytesStorageMetadata:
-        return _fields_problem(entry)
-    if type(entry) is not _dcp_md.TensorStorageMetadata:
-        return f"is a {type(entry).__name__}"
-    problem = _fields_problem(entry)
-    if problem is not None:
-        return problem
-    props = entry.properties
-    if type(props) is not _dcp_md.TensorProperties or _fields_problem(props) is not None:
-        return "has malformed tensor properties"
-    if not isinstance(props.dtype, torch.dtype) or not _size_ok(entry.size):
-        return "has a malformed dtype or size"
-    if not isinstance(entry.chunks, list):
-        return "has malformed chunks"
-    for chunk in entry.chunks:
-        if type(chunk) is not _dcp_md.ChunkStorageMetadata or _fields_problem(chunk) is not None:
-            return "has a malformed chunk"
-        if not (_size_ok(chunk.offsets) and _size_ok(chunk.sizes)) or len(chunk.offsets) != len(entry.size):
-            return "has a chunk of the wrong rank"
-    return None
-
-
 def safe_load_metadata(
     data: bytes, where: str = ".metadata", files: Iterable[str] | None = None, *, olmo_core: bool = False
 ) -> Metadata:
@@ -369,50 +329,17 @@ def safe_load_metadata(
     if not isinstance(obj, Metadata):
         raise UnsafeCheckpointError(f"{where} decoded to {type(obj).__name__}, not DCP Metadata; refusing it")
     obj = _realize(obj, where, olmo_core)
+    # _realize checked every type, number and field; what is left is where the data files are.
     known = set(files) if files is not None else None
-    sd_meta = getattr(obj, "state_dict_metadata", None)
-    storage = getattr(obj, "storage_data", None)
-    if not isinstance(sd_meta, dict) or not all(isinstance(k, str) for k in sd_meta):
-        raise _corrupt(where, "state_dict_metadata is not a table of names")
-    for fqn, entry in sd_meta.items():
-        problem = _entry_problem(entry)
-        if problem is None and type(entry) is _dcp_md.BytesStorageMetadata and not olmo_core:
-            # ckptkeeper keeps non-tensor state in JSON, so its DCP files never hold pickled objects.
-            raise UnsafeCheckpointError(
-                f"{where} declares {fqn[:80]!r} as a pickled object, which ckptkeeper never writes; refusing it. "
-                "The file may be tampered with: restore the checkpoint from a trusted copy"
-            )
+    for index, info in (obj.storage_data or {}).items():
+        rel = info.relative_path
+        problem = check_relpath(rel)
+        if problem is None and "/" in rel:
+            problem = f"data file {rel[:80]!r} is not a plain file name"
+        if problem is None and known is not None and rel not in known:
+            problem = f"data file {rel[:80]!r} is not a file of this checkpoint"
         if problem is not None:
-            raise _corrupt(where, f"entry {fqn[:80]!r} {problem}")
-    if storage is not None:
-        if not isinstance(storage, dict):
-            raise _corrupt(where, "storage_data is not a table")
-        converted: dict[Any, Any] = {}
-        for index, info in storage.items():
-            _check_index(where, index)
-            if type(info) is OlmoCoreStorageInfo:
-                if set(vars(info)) != {"relative_path", "offset", "length"}:
-                    raise _corrupt(where, f"storage entry of {index.fqn[:80]!r} has fields {sorted(vars(info))[:8]}")
-            elif type(info) is not _dcp_fs._StorageInfo:
-                raise _corrupt(where, f"storage entry of {index.fqn[:80]!r} is a {type(info).__name__}")
-            rel = info.relative_path
-            problem = check_relpath(rel)
-            if problem is None and "/" in rel:
-                problem = f"data file {rel[:80]!r} is not a plain file name"
-            if problem is None and known is not None and rel not in known:
-                problem = f"data file {rel[:80]!r} is not a file of this checkpoint"
-            if problem is not None:
-                raise _corrupt(where, problem)
-            for field in ("offset", "length"):
-                value = getattr(info, field)
-                if type(value) is not int or value < 0:
-                    raise _corrupt(where, f"{field} of {index.fqn[:80]!r} is {value!r}")
-            if getattr(info, "transform_descriptors", None) is not None:
-                raise _corrupt(where, f"{index.fqn[:80]!r} asks for storage transforms, which ckptkeeper does not read")
-            if type(info) is OlmoCoreStorageInfo:
-                info = _dcp_fs._StorageInfo(info.relative_path, info.offset, info.length)
-            converted[index] = info
-        obj.storage_data = converted
+            raise _corrupt(where, f"storage entry of {index.fqn[:80]!r}: {problem}")
     return obj
 
 
