@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckptkeeper import Callback, Checkpointer, CheckpointerCallback, Trainer
+from ckptkeeper import Callback, Checkpointer, CheckpointerCallback, Trainer, TrainingState
 from ckptkeeper.integrations import build_builtin
 
 
@@ -115,3 +115,13 @@ def forge(folder: Path, rel: str | None = None, data: bytes | None = None, **rec
               "created_unix": rec.created_unix, "extra": dict(rec.extra)}  # fmt: skip
     fields.update(record_changes)
     (folder / COMMIT_RECORD).write_bytes(CommitRecord(**fields).to_json())
+
+
+def small_state(seed: int = 0) -> TrainingState:
+    """A two-layer model with AdamW after one step: optimizer state exists, saves take milliseconds."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return TrainingState(model, opt)

@@ -11,24 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-from ckptkeeper import Checkpointer, TrainingState
+from ckptkeeper import Checkpointer
 from ckptkeeper.cli import main
+
+from ..helpers import small_state as _state
 
 
 def ck(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).parent / "ckptkeeper"
     return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=cwd, input=stdin, timeout=240)
-
-
-def _state(seed: int = 0) -> TrainingState:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model(torch.randn(5, 4)).sum().backward()
-    opt.step()
-    return TrainingState(model, opt)
 
 
 @pytest.fixture

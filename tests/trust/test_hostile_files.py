@@ -26,15 +26,7 @@ from ckptkeeper.engine.record import CommitRecord
 from ckptkeeper.storage.layout import COMMIT_RECORD
 
 from ..helpers import forge
-
-
-def _state(seed: int = 0) -> TrainingState:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model(torch.randn(5, 4)).sum().backward()
-    opt.step()
-    return TrainingState(model, opt)
+from ..helpers import small_state as _state
 
 
 def _fingerprint(st: TrainingState) -> tuple[str, list[Any]]:
