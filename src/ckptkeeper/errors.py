@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "CkptkeeperError",
@@ -64,3 +65,15 @@ class DiskFullError(StorageError, OSError):
 
 class SaveFolderInUseError(StorageError):
     """Another live run holds the save folder's writer lease; the message names it."""
+
+
+class CheckpointMismatchError(ConfigurationError, CheckpointError):
+    """An intact checkpoint that does not fit the state it is loaded into.
+
+    Raised (with ``strict=True``, the default) before anything is changed, naming each key that is
+    missing, unexpected or of another shape (with the checkpoint's and this model's shapes), and
+    the fix. It is both a :class:`ConfigurationError` (the code built another model than the one
+    saved) and a :class:`CheckpointError` (what loads used to raise for it), so existing handlers
+    keep working; resuming does not fall back to an older checkpoint for it, since no checkpoint of
+    that run would fit either.
+    """

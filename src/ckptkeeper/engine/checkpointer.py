@@ -65,9 +65,9 @@ from .deleter import (
 )
 from .discovery import CheckpointInfo
 from .fastio import DATA_FILE, Segment, can_use_fast_path, parse_layout, read_fast, write_fast
-from .loader import Rollback, check_fit, read_metadata, read_train_state
+from .loader import CheckpointMismatchError, Rollback, read_metadata, read_train_state, saved_tensors
 from .metrics import emit
-from .record import CommitRecord, FileEntry, hash_file
+from .record import CommitRecord, FileEntry, check_metrics, hash_file
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .staging import Stager
 from .state import TrainingState, flatten_tensors
@@ -188,13 +188,19 @@ class Checkpointer:
         *,
         train_state: Mapping[str, Any] | None = None,
         ephemeral: bool = False,
+        metrics: Mapping[str, float] | None = None,
     ) -> SaveResult:
-        """Write the checkpoint of ``step`` and commit it before returning."""
+        """Write the checkpoint of ``step`` and commit it before returning.
+
+        ``metrics`` (names to finite numbers) go into the commit record, where retention by metric
+        (``keep_best``) and ``ckptkeeper inspect`` read them.
+        """
         t0 = time.perf_counter()
+        checked = _check_metrics(step, metrics)
         self.wait()
         tensors, meta = state.capture()
         payload = self._train_payload(step, train_state, meta)
-        result = self._write(save_folder, step, tensors, payload, ephemeral, t0)
+        result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked)
         _emit_save(result, is_async=False)
         return result
 
@@ -206,6 +212,7 @@ class Checkpointer:
         *,
         train_state: Mapping[str, Any] | None = None,
         ephemeral: bool = False,
+        metrics: Mapping[str, float] | None = None,
     ) -> tuple[str, Future[SaveResult]]:
         """Snapshot the state now and write it in the background.
 
@@ -215,6 +222,7 @@ class Checkpointer:
         future, naming the step and file.
         """
         t0 = time.perf_counter()
+        checked = _check_metrics(step, metrics)
         self.wait()
         if D.is_distributed() and self.process_group is None:
             # Background collectives must not share a queue with training's: a group of their own
@@ -238,7 +246,9 @@ class Checkpointer:
             log.warning("%s; saving synchronously instead", msg)
             self._stager.release()
             done: Future[SaveResult] = Future()
-            done.set_result(self.save(save_folder, step, state, train_state=train_state, ephemeral=ephemeral))
+            done.set_result(
+                self.save(save_folder, step, state, train_state=train_state, ephemeral=ephemeral, metrics=checked)
+            )
             return self._final_path(save_folder, step), done
         staged = self._stager.stage(tensors)
         payload = self._train_payload(step, train_state, meta)
@@ -247,7 +257,7 @@ class Checkpointer:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-save")
 
         def run() -> SaveResult:
-            r = self._write(save_folder, step, staged, payload, ephemeral, t0)
+            r = self._write(save_folder, step, staged, payload, ephemeral, t0, checked)
             result = dataclasses.replace(r, blocked_s=blocked)
             _emit_save(result, is_async=True)
             return result
@@ -301,6 +311,7 @@ class Checkpointer:
         payload: bytes,
         ephemeral: bool,
         t0: float,
+        metrics: Mapping[str, float] | None = None,
     ) -> SaveResult:
         storage = storage_for(save_folder)
         retries_before = getattr(storage, "retries", 0)
@@ -327,7 +338,7 @@ class Checkpointer:
                 self._clear_target(storage, final, check_only=storage.supports_rename)
 
         written: dict[str, FileEntry] = {}
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"metrics": dict(metrics)} if metrics else {}
 
         def write_tensors() -> None:
             with translate_os_error(local_work):
@@ -535,8 +546,12 @@ class Checkpointer:
         checkpoint fits ``state``. Tensors are read in place, each one backed up just before it is
         overwritten; if anything fails (a checksum, a read, restoring optimizer or extra state),
         ``state`` is put back exactly as it was and the error is raised. Errors are
-        :class:`CorruptCheckpointError` for a damaged checkpoint, plain :class:`CheckpointError`
-        when it is intact but of another model.
+        :class:`CorruptCheckpointError` for a damaged checkpoint and
+        :class:`~ckptkeeper.engine.state.CheckpointMismatchError` (a ConfigurationError and a
+        CheckpointError) when it is intact but does not fit ``state``: its message names each key,
+        with the checkpoint's and the model's shapes. With ``TrainingState(..., strict=False)`` what
+        fits is loaded and ``state.load_report`` lists the rest. Optimizer state is loaded exactly
+        for the parameters that had it (none is made up for the others).
 
         ``check_train_state(train_state)`` runs before any tensor is touched; whatever it raises
         (other than a CkptkeeperError) becomes a CorruptCheckpointError naming the file.
@@ -622,8 +637,9 @@ class Checkpointer:
             metadata = discovery.check_olmo_core(local, record, path)
         else:
             metadata = read_metadata(local, record, path)
-        tensors, old_meta = state.capture()
-        same_dtypes = check_fit(tensors, metadata, path)
+        # Where each tensor goes, checked against the metadata (and state.strict) before anything is read.
+        plan = state.plan_load(saved_tensors(metadata), None if olmo else doc.get("state_meta", {}), path)
+        tensors, same_dtypes = plan.tensors, plan.same_dtypes
         layout = record.extra.get("layout")
         rows = layout.get(f"{MODEL_DIR}/{DATA_FILE}") if isinstance(layout, dict) else None
         fast = rows is not None and world == 1 and same_dtypes and can_use_fast_path(tensors)
@@ -635,7 +651,7 @@ class Checkpointer:
                 raise CorruptCheckpointError(
                     f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
                 ) from None
-        need = _tensor_bytes(tensors)
+        need = _tensor_bytes(plan.live)  # only live state is backed up; the rest is read into new tensors
         had_buffers = self._stager.nbytes > 0
         if by_fqn is None and not verified and self.verify_checksums:
             # DCP's reader checks no checksums, and segment checks only happen on the fast path
@@ -646,7 +662,7 @@ class Checkpointer:
         if not self._rollback_loads:
             pass
         elif self.staging_budget_bytes is None or need <= self.staging_budget_bytes:
-            guard = Rollback(self._stager, tensors, incremental=fast)
+            guard = Rollback(self._stager, plan.live, incremental=fast)
         elif not verified:
             # No memory for a backup: read every byte once to check it before anything is written.
             log.info("the load's backup would exceed the staging budget; verifying %s before loading", path)
@@ -673,14 +689,14 @@ class Checkpointer:
                         no_dist=world == 1,
                     )
             meta_touched = True
-            # OLMo-core keeps hyper-parameters as pickles (not read): the current ones stay.
-            state.restore(tensors, old_meta if olmo else doc.get("state_meta", {}))
+            # OLMo-core keeps hyper-parameters as pickles (not read): the plan kept the current ones.
+            state.apply_load(plan)
         except (Exception, CheckpointException) as raw:
             if guard is not None:
                 guard.restore()
                 if meta_touched:
                     try:
-                        state.restore(tensors, old_meta)
+                        state.undo_load(plan)
                     except Exception:
                         log.exception("could not put the optimizer/extra settings back after a failed load")
             inner = unwrap(raw)
@@ -688,9 +704,11 @@ class Checkpointer:
                 raise inner from raw
             if isinstance(inner, OSError):
                 raise CorruptCheckpointError(f"checkpoint {path} could not be read ({inner})") from inner
-            raise CheckpointError(
-                f"checkpoint {path} does not fit this model/optimizer ({_last_line(inner)}); load it into the "
-                "model it was saved from, or start a fresh save folder"
+            # Shapes and keys were checked before reading: what fails here is a load_state_dict
+            # (optimizer, extra) refusing what the checkpoint holds.
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not fit this model/optimizer ({type(inner).__name__}: {_last_line(inner)}); "
+                "load it into the model, optimizer and extras it was saved from"
             ) from inner
         finally:
             if guard is not None and not had_buffers:
@@ -759,6 +777,17 @@ class Checkpointer:
         the announced objects), and the unfinished multipart uploads those intents announced.
         """
         return clean_save_folder(save_folder)
+
+
+def _check_metrics(step: int, metrics: Mapping[str, float] | None) -> dict[str, float] | None:
+    if metrics is None:
+        return None
+    try:
+        return check_metrics(dict(metrics))
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"step {step}: metrics must map names to finite numbers ({exc}); pass e.g. metrics={{'val_loss': 0.31}}"
+        ) from None
 
 
 def _emit_save(r: SaveResult, is_async: bool) -> None:

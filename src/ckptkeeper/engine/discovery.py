@@ -23,8 +23,8 @@ import os
 import re
 import tempfile
 import zipfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -94,6 +94,8 @@ class CheckpointInfo:
     problem: str | None = None
     flavor: str = FLAVOR_CKPTKEEPER
     """``"ckptkeeper"``, or ``"olmo-core"`` for a checkpoint written by OLMo-core."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """The metrics given when it was saved (``save_if_due(step, metrics=...)``), for retention by metric."""
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,7 @@ def list_checkpoints(save_folder: str) -> list[CheckpointInfo]:
                 created_unix=record.created_unix if record and not olmo else None,
                 problem=problem,
                 flavor=flavor_of(record),
+                metrics=dict(record.extra.get("metrics", {})) if record and not olmo else {},
             )
         )
     return sorted(out, key=lambda i: i.step)

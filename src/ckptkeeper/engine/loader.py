@@ -5,9 +5,12 @@ The order of a load:
 1. the commit record (self-checksummed, schema-checked) and every file's size;
 2. the small files (DCP ``.metadata``, trainer state) read whole, checked against the record's
    size and checksum, and only then decoded (allow-listed unpickler, bounded JSON);
-3. the destination checked against DCP's metadata (names, shapes), before any tensor is written;
-4. tensors read in place, each backed up just before it is first written (:class:`Rollback`);
-   any failure puts the backed-up values back, so model, optimizer and extras are as they were.
+3. the destination planned against DCP's metadata (:meth:`TrainingState.plan_load`: names,
+   shapes; with ``strict`` every key must match, else :class:`CheckpointMismatchError` names each
+   key with both shapes), before any tensor is written;
+4. model tensors read in place, each backed up just before it is first written (:class:`Rollback`),
+   optimizer state into new tensors; any failure puts the backed-up values back and the old
+   optimizer state and extras with them, so everything is as it was.
 """
 
 from __future__ import annotations
@@ -20,15 +23,23 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ..storage.layout import MODEL_DIR, train_state_name
 from ..storage.local import open_regular
 from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, loads_bounded
 from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 from .staging import Stager
-from .state import flatten_tensors
+from .state import CheckpointMismatchError, SavedTensor, flatten_tensors
 
-__all__ = ["Rollback", "check_fit", "read_metadata", "read_train_state", "read_verified"]
+__all__ = [
+    "CheckpointMismatchError",
+    "Rollback",
+    "check_fit",
+    "read_metadata",
+    "read_train_state",
+    "read_verified",
+    "saved_tensors",
+]
 
 
 def read_verified(local: str, rel: str, entry: FileEntry, where: str, max_bytes: int) -> bytes:
@@ -84,43 +95,48 @@ def read_metadata(local: str, record: CommitRecord, where: str) -> Any:
     return safe_load_metadata(data, f"{where}/{rel}", data_files)
 
 
-def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)  # a DTensor's shape is the global one, as DCP's metadata records
+def saved_tensors(metadata: Any) -> dict[str, SavedTensor | None]:
+    """Every key of DCP's metadata with its global shape and dtype (None: stored as bytes, not a tensor)."""
+    out: dict[str, SavedTensor | None] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if type(md) is TensorStorageMetadata:
+            dtype = getattr(getattr(md, "properties", None), "dtype", None)
+            out[key] = SavedTensor(tuple(int(n) for n in md.size), dtype)
+        else:
+            out[key] = None
+    return out
 
 
 def check_fit(tensors: Mapping[str, Any], metadata: Any, where: str) -> bool:
     """Check that every destination tensor is in the checkpoint with the same shape.
 
-    Raises CheckpointError naming the first key that is missing or differs (with both shapes),
-    before anything is read. Returns whether every dtype matches too (the fast reader needs it).
+    Raises :class:`CheckpointMismatchError` naming the keys that are missing or differ (with both
+    shapes), before anything is read. Returns whether every dtype matches too (the fast reader
+    needs it). :meth:`TrainingState.plan_load` does this and more for a whole state.
     """
-    sd_meta = metadata.state_dict_metadata
+    saved = saved_tensors(metadata)
+    missing, mismatched = [], []
     same_dtypes = True
-    missing = []
     for fqn, t in flatten_tensors(tensors):
-        md = sd_meta.get(fqn)
-        if md is None:
+        if fqn not in saved:
             missing.append(fqn)
             continue
-        if type(md) is not TensorStorageMetadata:
+        info = saved[fqn]
+        if info is None:
             raise CorruptCheckpointError(
-                f"checkpoint {where} stores {fqn} as a {type(md).__name__}, not a tensor; the checkpoint may be "
-                "tampered with: load an earlier checkpoint or restore this one from a copy"
+                f"checkpoint {where} stores {fqn} as bytes, not a tensor; the checkpoint may be tampered with: "
+                "load an earlier checkpoint or restore this one from a copy"
             )
-        size = md.size
-        if tuple(size) != _global_shape(t):
-            raise CheckpointError(
-                f"checkpoint {where} does not fit this model/optimizer: {fqn} has shape {list(size)} in the "
-                f"checkpoint and {list(_global_shape(t))} here; load it into the model it was saved from, or "
-                "start a fresh save folder"
-            )
-        if getattr(getattr(md, "properties", None), "dtype", None) != t.dtype:
+        if info.shape != tuple(t.shape):  # a DTensor's shape is the global one, as DCP's metadata records
+            mismatched.append(f"{fqn} has shape {list(info.shape)} in the checkpoint and {list(t.shape)} in the model")
+        elif info.dtype != t.dtype:
             same_dtypes = False
-    if missing:
+    if missing or mismatched:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(
-            f"checkpoint {where} does not fit this model/optimizer: it has no {missing[0]}{more}; load it into "
-            "the model it was saved from, or start a fresh save folder"
+        problems = mismatched[:3] + ([f"it has no {missing[0]}{more}"] if missing else [])
+        raise CheckpointMismatchError(
+            f"checkpoint {where} does not fit this model/optimizer: {'; '.join(problems)}. Load it into the model "
+            "and optimizer it was saved from, or pass strict=False to TrainingState to load what fits"
         )
     return same_dtypes
 
@@ -156,8 +172,11 @@ class Rollback:
     def before_write(self, name: str, start: int, length: int) -> None:
         """Back up bytes ``[start, start + length)`` of tensor ``name`` (called just before they are overwritten).
 
-        Pieces of one tensor come in order, from its first byte on.
+        Pieces of one tensor come in order, from its first byte on. Tensors this rollback does not
+        guard (new ones, such as a load's optimizer state) are ignored.
         """
+        if name not in self._leaves:
+            return
         if length:
             src = self._bytes(_local(self._leaves[name]))
             self._bytes(self._buffers[name])[start : start + length].copy_(src[start : start + length])

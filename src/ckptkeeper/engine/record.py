@@ -256,6 +256,7 @@ class CommitRecord:
             not isinstance(layout, dict) or not all(isinstance(v, list) and k in files for k, v in layout.items())
         ):
             raise ValueError("'extra.layout' is not a table of data files and their segments")
+        check_metrics(extra.get("metrics", {}))
         return cls(
             step=_int(doc["step"], "step", 0, 1 << 62),
             ephemeral=ephemeral,
@@ -265,6 +266,20 @@ class CommitRecord:
             version=version,
             extra=extra,
         )
+
+
+def check_metrics(metrics: Any) -> dict[str, float]:
+    """``metrics`` as a table of names to finite numbers (what retention ranks by); ValueError otherwise."""
+    if not isinstance(metrics, dict) or len(metrics) > 256:
+        raise ValueError("'metrics' is not a table of at most 256 names and numbers")
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not 0 < len(name) <= 200:
+            raise ValueError(f"metric name {str(name)[:40]!r} is not a string of 1 to 200 characters")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"metric {name!r} is {str(value)[:40]!r}, not a finite number")
+        out[name] = float(value)
+    return out
 
 
 def record_is_ours(data: bytes) -> bool:

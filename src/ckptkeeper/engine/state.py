@@ -7,9 +7,12 @@ rebuilds the full state from both, so nothing in a checkpoint is ever unpickled.
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import logging
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -21,7 +24,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..errors import CheckpointMismatchError, ConfigurationError, CorruptCheckpointError
+
 __all__ = [
+    "CheckpointMismatchError",
+    "LoadPlan",
+    "LoadReport",
+    "SavedTensor",
     "Stateful",
     "TrainingState",
     "flatten_tensors",
@@ -30,6 +39,8 @@ __all__ = [
     "state_digest",
     "to_json_tree",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -100,12 +111,302 @@ def flatten_tensors(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple
             yield path, value
 
 
+class SavedTensor(NamedTuple):
+    """What a checkpoint says about one tensor: its global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did not take over one-to-one (``TrainingState.load_report`` after each load).
+
+    Keys are checkpoint keys: ``model.<fqn>``, ``optim.state.<fqn>.<slot>``,
+    ``optim.param_groups.<i>``, ``extra.<name>``. With ``strict=True`` a load only succeeds when all
+    three lists are empty.
+    """
+
+    missing_keys: list[str] = field(default_factory=list)
+    """In this state but not in the checkpoint: left as they were."""
+    unexpected_keys: list[str] = field(default_factory=list)
+    """In the checkpoint but not in this state: not loaded."""
+    mismatched_keys: list[str] = field(default_factory=list)
+    """In both, with another shape: left as they were (the warning and error name both shapes)."""
+
+
+@dataclass
+class LoadPlan:
+    """Where a load reads each tensor to, and what it applies afterwards (see :meth:`TrainingState.plan_load`)."""
+
+    tensors: dict[str, Any]
+    """Every destination tensor, nested like :meth:`TrainingState.capture`'s tensor tree."""
+    live: dict[str, Any]
+    """The destinations that are live state (parameters, buffers): back them up before reading."""
+    meta: dict[str, Any]
+    """The JSON tree applied together with ``tensors``."""
+    report: LoadReport
+    same_dtypes: bool
+    """Whether every destination has the checkpoint's dtype (the fast reader needs it)."""
+    generic: bool = False
+    """A subclass with its own capture()/restore() (or an FSDP1 model): restore() applies it."""
+    undo: dict[str, Any] = field(default_factory=dict)
+    """What :meth:`TrainingState.undo_load` puts back after a failed apply."""
+
+
+def _leaves(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _leaves(value, (*prefix, str(key)))
+        elif _is_tensor(value):
+            yield (*prefix, str(key)), value
+
+
+def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _split_rest(node: Any, rest: str) -> tuple[str, ...]:
+    """A dotted checkpoint key below ``node`` as a path, following the dicts the JSON tree has.
+
+    The JSON tree keeps every dict of the saved state (even one holding only tensors), so a key
+    ``a.b.c`` is ``{"a": {"b.c": t}}`` when the saved state had a dict ``a``, else ``{"a.b.c": t}``.
+    """
+    parts = rest.split(".")
+    path: list[str] = []
+    i = 0
+    while i < len(parts) - 1 and isinstance(node, Mapping):
+        for j in range(len(parts) - 1, i, -1):
+            key = ".".join(parts[i:j])
+            if isinstance(node.get(key), Mapping):
+                path.append(key)
+                node, i = node[key], j
+                break
+        else:
+            break
+    path.append(".".join(parts[i:]))
+    return tuple(path)
+
+
+def _owner(rest: str, names: Mapping[str, Any] | set[str]) -> str | None:
+    """The longest ``name`` with ``rest == name + "." + something`` (parameter names hold dots)."""
+    end = len(rest)
+    while (end := rest.rfind(".", 0, end)) > 0:
+        if rest[:end] in names:
+            return rest[:end]
+    return None
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)  # a DTensor's shape is the global one, as DCP's metadata records
+
+
+def _canonical_fqn(model: nn.Module, name: str) -> str:
+    # DCP names parameters without wrapper prefixes (torch.compile's _orig_mod, activation
+    # checkpointing, DDP's module); the optimizer's keys must match the model's, so ask DCP's own helper.
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # pragma: no cover - torch moved its private helper
+        return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+    fqns = _get_fqns(model, name)
+    if len(fqns) != 1:  # pragma: no cover - FSDP1 flat parameters take the DCP route instead
+        raise ConfigurationError(f"parameter {name} stands for {len(fqns)} parameters; ckptkeeper cannot key it")
+    return next(iter(fqns))
+
+
+def _param_fqns(model: nn.Module) -> dict[torch.Tensor, str]:
+    """Each parameter of ``model`` (tied ones once, as DCP does) with its checkpoint name."""
+    return {p: _canonical_fqn(model, name) for name, p in model.named_parameters()}
+
+
+def _uses_fsdp1(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return bool(FullyShardedDataParallel.fsdp_modules(model))
+
+
+def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The checkpoint names of each param group's parameters, in the optimizer's order."""
+    fqn_of = _param_fqns(model)
+    out: list[list[str]] = []
+    for i, group in enumerate(optimizer.param_groups):
+        names = []
+        for p in group["params"]:
+            fqn = fqn_of.get(p)
+            if fqn is None:
+                raise ConfigurationError(
+                    f"optimizer param group {i} holds a parameter of shape {list(p.shape)} that is not in the model; "
+                    "give the optimizer the model's own parameters (model.parameters())"
+                )
+            names.append(fqn)
+        out.append(names)
+    return out
+
+
+def _optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, in DCP's layout, without touching the optimizer.
+
+    DCP's ``get_state_dict`` first runs a step with zero gradients when the optimizer has no state
+    yet, which changes the run (AdamW's ``step`` starts one higher); this reads what is there.
+    """
+    osd = optimizer.state_dict()
+    names = [fqn for group in _optimizer_params(model, optimizer) for fqn in group]
+    # state_dict() numbers the parameters in param_groups order, which is the order of `names`.
+    state = {names[pid]: value for pid, value in osd["state"].items()}
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[pid] for pid in g["params"]]}
+        for g in osd["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def _as_before(current: Any, loaded: Any) -> Any:
+    # JSON has no tuples: give a hyper-parameter back the tuple it was (AdamW's betas).
+    if isinstance(current, tuple) and isinstance(loaded, list):
+        return tuple(loaded)
+    return loaded
+
+
+def _holds_str(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_str(v) for v in value)
+    return False
+
+
+def _put_back_strings(dest: dict[Any, Any], loaded: Mapping[str, Any]) -> None:
+    # Optimizer.load_state_dict rebuilds every iterable as type(value)(generator), which turns a
+    # string into "<generator object ...>"; put the loaded value back where that happened.
+    for key, value in loaded.items():
+        if isinstance(value, Mapping) and isinstance(dest.get(key), dict):
+            _put_back_strings(dest[key], value)
+        elif _holds_str(value):
+            dest[key] = copy.deepcopy(value)
+
+
+def _match_groups(current: list[list[str]], saved: list[list[str]]) -> dict[int, int]:
+    """Current param group index -> saved one whose settings it takes.
+
+    A group pairs with the saved group of exactly its parameters; failing that, with the one saved
+    group that holds all of its parameters that were saved at all (a group that gained or lost a
+    parameter the model gained or lost: the keys report those). Empty groups pair up in order.
+    """
+    by_set: dict[frozenset[str], list[int]] = {}
+    owner: dict[str, int] = {}
+    for j, names in enumerate(saved):
+        by_set.setdefault(frozenset(names), []).append(j)
+        for name in names:
+            owner.setdefault(name, j)
+    out: dict[int, int] = {}
+    for i, names in enumerate(current):
+        candidates = by_set.get(frozenset(names))
+        if candidates:
+            out[i] = candidates.pop(0)
+    taken = set(out.values())
+    for i, names in enumerate(current):
+        if i in out:
+            continue
+        homes = {owner[n] for n in names if n in owner}
+        if len(homes) == 1 and (j := homes.pop()) not in taken:
+            out[i] = j
+            taken.add(j)
+    return out
+
+
+def _dict_at(tree: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = tree.get(key, {})
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{where}: state_meta.{key} is malformed (not a JSON object)")
+    return value
+
+
+class _Fit:
+    """Collects, key by key, whether a destination fits the checkpoint."""
+
+    def __init__(self, saved: Mapping[str, SavedTensor | None], where: str) -> None:
+        self.saved = saved
+        self.where = where
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.same_dtypes = True
+
+    def info(self, key: str) -> SavedTensor:
+        info = self.saved[key]
+        if info is None:
+            raise CorruptCheckpointError(
+                f"checkpoint {self.where} stores {key} as bytes, not a tensor; the checkpoint may be tampered with: "
+                "load an earlier checkpoint or restore this one from a copy"
+            )
+        return info
+
+    def take(self, key: str, t: torch.Tensor) -> bool:
+        if key not in self.saved:
+            self.missing.append(key)
+            return False
+        info = self.info(key)
+        if info.shape != _shape(t):
+            self.mismatched.append((key, info.shape, _shape(t)))
+            return False
+        if info.dtype != t.dtype:
+            self.same_dtypes = False
+        return True
+
+    def report(self) -> LoadReport:
+        return LoadReport(list(self.missing), list(self.unexpected), [k for k, _, _ in self.mismatched])
+
+    def problems(self) -> str:
+        def listed(keys: list[str]) -> str:
+            more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
+            return ", ".join(keys[:3]) + more
+
+        parts = [
+            f"{key} has shape {list(saved)} in the checkpoint and {list(here)} in the model"
+            for key, saved, here in self.mismatched[:3]
+        ]
+        if len(self.mismatched) > 3:
+            parts[-1] += f" (and {len(self.mismatched) - 3} more of another shape)"
+        if self.missing:
+            parts.append(f"it has no {listed(self.missing)}")
+        if self.unexpected:
+            parts.append(f"it holds {listed(self.unexpected)}, which this model/optimizer does not have")
+        return "; ".join(parts)
+
+    def raise_if_strict(self, strict: bool) -> None:
+        if not (self.missing or self.unexpected or self.mismatched):
+            return
+        if strict:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.where} does not fit this model/optimizer: {self.problems()}. Load it into the "
+                "model and optimizer it was saved from, or pass strict=False to TrainingState to load what fits "
+                "(the rest is listed in state.load_report)"
+            )
+        log.warning("checkpoint %s: loading what fits (strict=False); %s", self.where, self.problems())
+
+
 class TrainingState:
     """A model, its optimizer and any extra stateful objects, as one checkpointable unit.
 
-    Model and optimizer go through ``torch.distributed.checkpoint.state_dict`` so that sharded
-    (FSDP2/DTensor) and plain modules are handled alike and optimizer state is keyed by
-    parameter name, which is what makes checkpoints loadable at another world size.
+    The model goes through ``torch.distributed.checkpoint.state_dict`` so that sharded
+    (FSDP2/DTensor) and plain modules are handled alike; optimizer state is keyed by parameter
+    name in DCP's layout (``optim.state.<fqn>.<slot>``, ``optim.param_groups``), which is what
+    makes checkpoints loadable at another world size. Capturing never changes anything: unlike
+    DCP's ``get_state_dict`` it does not initialise empty optimizer state.
+
+    Args:
+        strict: a load must match key for key (the default): every model key, the optimizer's
+            param groups and every extra named here must be in the checkpoint, and the checkpoint
+            must hold no model key or optimizer state this state lacks, all of the same shape;
+            otherwise :class:`CheckpointMismatchError`, before anything changes. With
+            ``strict=False`` what fits is loaded and the rest is left as it was and listed in
+            :attr:`load_report`. Parameters without optimizer state in the checkpoint (never
+            updated yet) are fine either way: they get none. Optimizer state in a checkpoint is
+            only checked when an optimizer is given, and extras only when named.
     """
 
     def __init__(
@@ -113,38 +414,315 @@ class TrainingState:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         extra: Mapping[str, Stateful] | None = None,
+        *,
+        strict: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.extra: dict[str, Stateful] = dict(extra or {})
+        self.strict = strict
+        self.load_report: LoadReport | None = None
+        """What the last successful load did not take over one-to-one; None before any load."""
+
+    # ------------------------------------------------------------------ capture
 
     def _full(self) -> dict[str, Any]:
-        if self.optimizer is not None:
+        if self.optimizer is not None and _uses_fsdp1(self.model):
+            # FSDP1's flat parameters need DCP's own conversion (which initialises empty state).
             msd, osd = get_state_dict(self.model, self.optimizer)
         else:
-            msd, osd = get_model_state_dict(self.model), {}
+            msd = get_model_state_dict(self.model)
+            osd = _optimizer_state_dict(self.model, self.optimizer) if self.optimizer is not None else {}
         return {"model": msd, "optim": osd, "extra": {k: v.state_dict() for k, v in self.extra.items()}}
 
     def capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(tensor tree, JSON tree) of the current state. Tensors may alias live parameters."""
+        """(tensor tree, JSON tree) of the current state, changing nothing. Tensors may alias live state."""
         return split_tensors(self._full())
 
+    # ------------------------------------------------------------------ restore
+
     def restore(self, tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
-        """Apply a loaded (tensor tree, JSON tree) pair to the model, optimizer and extras."""
+        """Apply a (tensor tree, JSON tree) pair as :meth:`capture` makes them (strictness as :attr:`strict`)."""
         full = merge_trees(meta, tensors)
-        if self.optimizer is not None:
+        if self.optimizer is not None and _uses_fsdp1(self.model):
             set_state_dict(
                 self.model,
                 self.optimizer,
                 model_state_dict=full["model"],
                 optim_state_dict=full.get("optim", {}),
-                options=StateDictOptions(strict=True),
+                options=StateDictOptions(strict=self.strict),
             )
         else:
-            set_model_state_dict(self.model, full["model"], options=StateDictOptions(strict=True))
+            set_model_state_dict(self.model, full["model"], options=StateDictOptions(strict=self.strict))
+            osd = full.get("optim") or {}
+            if self.optimizer is not None and osd:
+                names = _optimizer_params(self.model, self.optimizer)
+                saved = [list(g.get("params", [])) for g in osd.get("param_groups", [])]
+                pairs = _match_groups(names, saved)
+                if self.strict and (len(pairs) != len(names) or len(saved) != len(names)):
+                    raise CheckpointMismatchError(
+                        "the optimizer's param groups hold other parameters than the ones given; build the "
+                        "optimizer as it was saved, or pass strict=False"
+                    )
+                self._load_optimizer(names, osd.get("state", {}), osd.get("param_groups", []), pairs)
         for name, obj in self.extra.items():
             if name in full.get("extra", {}):
                 obj.load_state_dict(full["extra"][name])
+
+    def _load_optimizer(
+        self,
+        names: list[list[str]],
+        state: Mapping[str, Any],
+        saved_groups: list[Mapping[str, Any]],
+        pairs: Mapping[int, int],
+    ) -> None:
+        """Load FQN-keyed optimizer state: groups in ``pairs`` take the saved settings, others keep theirs."""
+        opt = self.optimizer
+        assert opt is not None
+        groups = []
+        for i, group in enumerate(opt.param_groups):
+            j = pairs.get(i)
+            settings = saved_groups[j] if j is not None else group
+            hyper = {k: _as_before(group.get(k), v) for k, v in settings.items() if k != "params"}
+            groups.append({**hyper, "params": names[i]})
+        own = {fqn for group in names for fqn in group}
+        kept = {fqn: value for fqn, value in state.items() if fqn in own}
+        # Optimizer.load_state_dict maps the names in "params" to this optimizer's parameters in
+        # order, and with them the state keyed by those names (as DCP's own loader relies on).
+        opt.load_state_dict({"state": kept, "param_groups": groups})
+        by_name = {
+            fqn: p
+            for group, params in zip(names, opt.param_groups, strict=True)
+            for fqn, p in zip(group, params["params"], strict=True)
+        }
+        for fqn, value in kept.items():
+            if isinstance(value, Mapping):
+                _put_back_strings(opt.state[by_name[fqn]], value)
+
+    # ------------------------------------------------------------------ loading
+
+    def _generic(self) -> bool:
+        # A subclass with its own capture()/restore() (the benchmark's ready-made tree, say) is
+        # loaded through them; so is an FSDP1 model, whose flat parameters only DCP can convert.
+        cls = type(self)
+        if cls.capture is not TrainingState.capture or cls.restore is not TrainingState.restore:
+            return True
+        return self.optimizer is not None and _uses_fsdp1(self.model)
+
+    def plan_load(
+        self, saved: Mapping[str, SavedTensor | None], saved_meta: Mapping[str, Any] | None, where: str
+    ) -> LoadPlan:
+        """Decide where each tensor of a checkpoint is read to, checking that it fits; changes nothing.
+
+        ``saved`` is every key of the checkpoint's DCP metadata (None for one stored as bytes),
+        ``saved_meta`` its JSON tree (None for an OLMo-core checkpoint, which has none: settings and
+        extras then keep their current values). Model tensors are read in place (they are listed in
+        ``live`` for the caller's backup); optimizer state is read into new tensors, one per saved
+        slot, with the parameter's device and sharding where it has the parameter's shape, so that a
+        fresh optimizer gets state exactly for the parameters that had it. Raises
+        :class:`CheckpointMismatchError` when it does not fit and :attr:`strict` is set.
+        """
+        strict = getattr(self, "strict", True)
+        fit = _Fit(saved, where)
+        if self._generic():
+            now_t, now_m = self.capture()
+            for path, t in _leaves(now_t):
+                fit.take(".".join(path), t)
+            fit.raise_if_strict(True)
+            apply = dict(now_m if saved_meta is None else saved_meta)
+            back = {"tensors": now_t, "meta": now_m}
+            return LoadPlan(now_t, now_t, apply, fit.report(), fit.same_dtypes, generic=True, undo=back)
+
+        tensors: dict[str, Any] = {}
+        live: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        undo: dict[str, Any] = {}  # values of several kinds: see undo_load
+
+        # The model: read in place, key for key.
+        msd = get_model_state_dict(self.model)
+        cur_t, cur_m = split_tensors(msd, "model")
+        known: set[str] = set()
+        model_t: dict[str, Any] = {}
+        for path, t in _leaves(cur_t):
+            key = "model." + ".".join(path)
+            known.add(key)
+            if fit.take(key, t):
+                _put(model_t, path, t)
+        fit.unexpected += [k for k, v in saved.items() if k.startswith("model.") and k not in known and v is not None]
+        model_m = cur_m
+        if saved_meta is not None:
+            saved_m = _dict_at(saved_meta, "model", where)
+            model_m = {k: v for k, v in saved_m.items() if k in cur_m}
+            fit.unexpected += [f"model.{k}" for k in saved_m if k not in msd]
+            fit.missing += [f"model.{k}" for k in cur_m if k not in saved_m]
+        tensors["model"], live["model"], meta["model"] = model_t, model_t, model_m
+        undo["model"] = (cur_t, cur_m)
+
+        if self.optimizer is not None:
+            optim = self._plan_optimizer(saved, saved_meta, fit, where)
+            if optim is not None:
+                tensors["optim"] = {"state": optim.pop("tensors")}
+                meta["optim"] = {"state": optim["json"]}
+                undo["optim"] = (self.optimizer.state, self.optimizer.param_groups)
+                undo["optim_plan"] = optim
+
+        undo["extra"] = {}
+        if saved_meta is not None and self.extra:
+            saved_x = _dict_at(saved_meta, "extra", where)
+            keys: dict[str, list[str]] = {}
+            for key in saved:
+                if key.startswith("extra."):
+                    name = _owner(key[len("extra.") :], self.extra)
+                    if name is not None:
+                        keys.setdefault(name, []).append(key)
+            tensors["extra"], live["extra"], meta["extra"] = {}, {}, {}
+            for name, obj in self.extra.items():
+                if name not in saved_x:
+                    fit.missing.append(f"extra.{name}")
+                    continue
+                node = saved_x[name]
+                if not isinstance(node, dict):
+                    raise CorruptCheckpointError(f"{where}: state_meta.extra.{name} is malformed (not a JSON object)")
+                old_t, old_m = split_tensors(obj.state_dict(), f"extra.{name}")
+                current = dict(_leaves(old_t))
+                sub: dict[str, Any] = {}
+                for key in keys.get(name, []):
+                    info = fit.info(key)
+                    path = _split_rest(node, key[len(f"extra.{name}.") :])
+                    cur = current.get(path)
+                    if cur is not None and _shape(cur) == info.shape and cur.dtype == info.dtype:
+                        _put(sub, path, cur)  # read in place, as the model is
+                        _put(live["extra"].setdefault(name, {}), path, cur)
+                    elif cur is not None and _shape(cur) == info.shape:
+                        _put(sub, path, torch.empty_like(cur, dtype=info.dtype))
+                    else:
+                        _put(sub, path, torch.empty(info.shape, dtype=info.dtype or torch.float32))
+                tensors["extra"][name], meta["extra"][name] = sub, node
+                undo["extra"][name] = (old_t, old_m)
+
+        fit.raise_if_strict(strict)
+        return LoadPlan(_pruned(tensors), _pruned(live), meta, fit.report(), fit.same_dtypes, undo=undo)
+
+    def _plan_optimizer(
+        self, saved: Mapping[str, SavedTensor | None], saved_meta: Mapping[str, Any] | None, fit: _Fit, where: str
+    ) -> dict[str, Any] | None:
+        opt = self.optimizer
+        assert opt is not None
+        names = _optimizer_params(self.model, opt)
+        own = {
+            fqn: p
+            for group, g in zip(names, opt.param_groups, strict=True)
+            for fqn, p in zip(group, g["params"], strict=True)
+        }
+        json_state: dict[str, Any] = {}
+        saved_groups: list[dict[str, Any]] = []
+        if saved_meta is not None:
+            saved_optim = _dict_at(saved_meta, "optim", where)
+            json_state = _dict_at(saved_optim, "state", where)
+            raw = saved_optim.get("param_groups", [])
+            ok = isinstance(raw, list) and all(
+                isinstance(g, dict)
+                and isinstance(g.get("params"), list)
+                and all(isinstance(n, str) for n in g["params"])
+                for g in raw
+            )
+            if not ok or not all(isinstance(v, dict) for v in json_state.values()):
+                raise CorruptCheckpointError(f"{where}: state_meta.optim is malformed")
+            saved_groups = raw
+        by_fqn: dict[str, dict[str, SavedTensor]] = {}
+        for key in saved:
+            if key.startswith("optim.state."):
+                rest = key[len("optim.state.") :]
+                fqn = _owner(rest, own)
+                if fqn is None:
+                    fit.unexpected.append(key)
+                else:
+                    by_fqn.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = fit.info(key)
+        fit.unexpected += [f"optim.state.{fqn}" for fqn in json_state if fqn not in own and fqn not in by_fqn]
+
+        pairs: dict[int, int] = {}
+        if saved_meta is not None:
+            if not saved_groups and not json_state and not by_fqn:
+                fit.missing.append("optim")  # saved without an optimizer
+                return None
+            pairs = _match_groups(names, [g["params"] for g in saved_groups])
+            fit.missing += [f"optim.param_groups.{i}" for i in range(len(names)) if i not in pairs]
+            matched = set(pairs.values())
+            fit.unexpected += [f"optim.param_groups.{j}" for j in range(len(saved_groups)) if j not in matched]
+
+        state_t: dict[str, Any] = {}
+        state_m: dict[str, Any] = {}
+        for fqn in [*json_state, *(f for f in by_fqn if f not in json_state)]:
+            p = own.get(fqn)
+            if p is None:
+                continue
+            slots = by_fqn.get(fqn, {})
+            was = saved.get(f"model.{fqn}")
+            # A slot that had the parameter's shape when saved must have it now (AdamW's moments).
+            bad = [
+                (f"optim.state.{fqn}.{rest}", info.shape, _shape(p))
+                for rest, info in slots.items()
+                if was is not None and info.shape == was.shape and info.shape != _shape(p)
+            ]
+            if bad:
+                fit.mismatched += bad
+                continue
+            node = json_state.get(fqn, {})
+            sub: dict[str, Any] = {}
+            for rest, info in slots.items():
+                dtype = info.dtype or torch.float32
+                if info.shape == _shape(p) and p.dim() > 0:
+                    t = torch.empty_like(p, dtype=dtype)  # the parameter's device and sharding (DTensor)
+                else:
+                    t = torch.empty(info.shape, dtype=dtype)  # load_state_dict moves it where it belongs
+                _put(sub, _split_rest(node, rest), t)
+            state_t[fqn], state_m[fqn] = sub, node
+        return {"tensors": state_t, "json": state_m, "names": names, "groups": saved_groups, "pairs": pairs}
+
+    def apply_load(self, plan: LoadPlan) -> None:
+        """Apply a plan whose tensors have been read: model, optimizer, then extras."""
+        if plan.generic:
+            self.restore(plan.tensors, plan.meta)
+        else:
+            model_sd = merge_trees(plan.meta.get("model", {}), plan.tensors.get("model", {}))
+            whole = not any(k.startswith("model.") for k in plan.report.missing_keys + plan.report.mismatched_keys)
+            set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=whole))
+            optim = plan.undo.get("optim_plan")
+            if optim is not None:
+                read = plan.tensors.get("optim", {}).get("state", {})
+                state = {fqn: merge_trees(node, read.get(fqn, {})) for fqn, node in optim["json"].items()}
+                self._load_optimizer(optim["names"], state, optim["groups"], optim["pairs"])
+            for name in plan.undo.get("extra", {}):
+                tree = merge_trees(plan.meta["extra"][name], plan.tensors.get("extra", {}).get(name, {}))
+                self.extra[name].load_state_dict(tree)
+        self.load_report = plan.report
+
+    def undo_load(self, plan: LoadPlan) -> None:
+        """After a failed :meth:`apply_load` (and the caller's restore of ``plan.live``): put the rest back."""
+        if plan.generic:
+            self.restore(plan.undo["tensors"], plan.undo["meta"])
+            return
+        old_t, old_m = plan.undo["model"]
+        if old_m:  # non-tensor entries (a module's extra state); the tensors are back already
+            set_model_state_dict(self.model, merge_trees(old_m, old_t), options=StateDictOptions(strict=False))
+        if "optim" in plan.undo and self.optimizer is not None:
+            # load_state_dict built new state and groups; the old objects are untouched.
+            self.optimizer.state, self.optimizer.param_groups = plan.undo["optim"]
+        for name, (old_t, old_m) in plan.undo["extra"].items():
+            self.extra[name].load_state_dict(merge_trees(old_m, old_t))
+
+
+def _pruned(tree: Mapping[str, Any]) -> dict[str, Any]:
+    # Readers are given no empty dicts (a parameter whose saved state has no tensors, say).
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            sub = _pruned(value)
+            if sub:
+                out[key] = sub
+        else:
+            out[key] = value
+    return out
 
 
 def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:

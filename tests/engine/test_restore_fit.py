@@ -1,0 +1,458 @@
+"""Restores that fit real models, and checkpoints that never change the run they are taken from.
+
+Every round trip here is judged the same way: train N steps without stopping, and separately
+train k steps, save, load into freshly built objects, train the remaining N - k; the two
+``state_digest`` values (every model and optimizer tensor, bit for bit) must be equal, and so
+must the schedulers', scalers' and optimizers' non-tensor state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ckptkeeper import Checkpointer, CheckpointError, ConfigurationError, TrainingState, state_digest
+from ckptkeeper.engine.state import CheckpointMismatchError
+
+Step = Callable[[TrainingState, int], None]
+
+
+def _batch(i: int, width: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(8, width, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _digest(st: TrainingState) -> str:
+    return state_digest(st.model, st.optimizer)
+
+
+def _plain_step(st: TrainingState, i: int) -> None:
+    assert st.optimizer is not None
+    x, y = _batch(i)
+    st.optimizer.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(st.model(x), y).backward()
+    st.optimizer.step()
+
+
+def _resume_matches(
+    tmp_path: Path, make: Callable[[], TrainingState], step: Step, before: int, after: int
+) -> TrainingState:
+    """Train before+after steps straight, and with a save/load into fresh objects after ``before``; compare."""
+    torch.manual_seed(0)
+    straight = make()
+    for i in range(before + after):
+        step(straight, i)
+
+    torch.manual_seed(0)
+    first = make()
+    for i in range(before):
+        step(first, i)
+    rng = torch.get_rng_state()
+    ckpt = Checkpointer()
+    ckpt.save(str(tmp_path), before, first)
+
+    torch.manual_seed(123)  # other initial weights: the load must replace them all
+    resumed = make()
+    assert _digest(resumed) != _digest(first)
+    ckpt.load(str(tmp_path / f"step{before}"), resumed)
+    assert _digest(resumed) == _digest(first)
+    assert resumed.load_report is not None and resumed.load_report == type(resumed.load_report)()
+    torch.set_rng_state(rng)
+    for i in range(before, before + after):
+        step(resumed, i)
+    assert _digest(resumed) == _digest(straight)
+    for name, obj in straight.extra.items():
+        assert resumed.extra[name].state_dict() == obj.state_dict(), name
+    return resumed
+
+
+# ---------------------------------------------------------------------- item 4: restores that fit
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Linear(8, 3)  # unused until step `AUX_FROM`
+        self.use_aux = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.head(h) + (self.aux(h) if self.use_aux else 0)
+
+
+def test_a_head_without_optimizer_state_yet_gets_none_and_resumes_exactly(tmp_path: Path) -> None:
+    def make() -> TrainingState:
+        model = _TwoHeads()
+        return TrainingState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    def step(st: TrainingState, i: int) -> None:
+        assert isinstance(st.model, _TwoHeads)
+        st.model.use_aux = i >= 4
+        _plain_step(st, i)
+
+    # Saved at step 3 the aux head has never had a gradient: no state for it in the checkpoint.
+    torch.manual_seed(0)
+    st = make()
+    for i in range(3):
+        step(st, i)
+    Checkpointer().save(str(tmp_path / "peek"), 3, st)
+    fresh = make()
+    Checkpointer().load(str(tmp_path / "peek" / "step3"), fresh)
+    assert fresh.optimizer is not None and isinstance(fresh.model, _TwoHeads)
+    with_state = {n for n, p in fresh.model.named_parameters() if p in fresh.optimizer.state}
+    assert with_state == {"body.weight", "body.bias", "head.weight", "head.bias"}
+    assert all(int(s["step"]) == 3 for s in fresh.optimizer.state.values())
+
+    _resume_matches(tmp_path / "run", make, step, before=3, after=4)
+
+
+def test_a_frozen_then_unfrozen_layer_resumes_exactly(tmp_path: Path) -> None:
+    def make() -> TrainingState:
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        return TrainingState(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+
+    def step(st: TrainingState, i: int) -> None:
+        for p in st.model[0].parameters():  # type: ignore[index]
+            p.requires_grad_(i >= 3)
+        _plain_step(st, i)
+
+    resumed = _resume_matches(tmp_path / "frozen", make, step, before=2, after=4)
+    assert resumed.optimizer is not None
+    # After the unfreeze the first layer's AdamW counts its own steps, three behind the last layer.
+    first, last = (resumed.optimizer.state[resumed.model[k].weight]["step"] for k in (0, 2))  # type: ignore[index]
+    assert int(last) - int(first) == 3
+    # And saved after the unfreeze, too.
+    _resume_matches(tmp_path / "unfrozen", make, step, before=4, after=2)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_mixed_param_groups_resume_exactly(tmp_path: Path, kind: str) -> None:
+    def make() -> TrainingState:
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        groups: list[dict[str, Any]]
+        if kind == "sgd":
+            groups = [
+                {"params": model[0].parameters(), "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+                {"params": model[2].parameters(), "lr": 0.05},  # no momentum: no state at all
+            ]
+            opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=0.01)
+        else:
+            groups = [
+                {"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+                {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0, "lr": 3e-3, "betas": (0.8, 0.9)},
+            ]
+            opt = torch.optim.AdamW(groups, lr=1e-2)
+        return TrainingState(model, opt)
+
+    resumed = _resume_matches(tmp_path, make, _plain_step, before=3, after=3)
+    assert resumed.optimizer is not None
+    want = make().optimizer
+    assert want is not None
+    for got, exp in zip(resumed.optimizer.param_groups, want.param_groups, strict=True):
+        assert {k: v for k, v in got.items() if k != "params"} == {k: v for k, v in exp.items() if k != "params"}
+    if kind == "sgd":
+        assert resumed.model[2].weight not in resumed.optimizer.state  # type: ignore[index]
+
+
+def test_an_lr_scheduler_in_extra_resumes_exactly(tmp_path: Path) -> None:
+    def make() -> TrainingState:
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
+        cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=7)
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[3])
+        return TrainingState(model, opt, extra={"scheduler": sched})
+
+    def step(st: TrainingState, i: int) -> None:
+        _plain_step(st, i)
+        st.extra["scheduler"].step()  # type: ignore[attr-defined]
+
+    resumed = _resume_matches(tmp_path, make, step, before=4, after=4)
+    assert resumed.optimizer is not None
+    assert resumed.optimizer.param_groups[0]["lr"] == resumed.extra["scheduler"].get_last_lr()[0]  # type: ignore[attr-defined]
+
+
+def test_a_grad_scaler_in_extra_resumes_exactly(tmp_path: Path) -> None:
+    def make() -> TrainingState:
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+        return TrainingState(model, opt, extra={"scaler": scaler})
+
+    def step(st: TrainingState, i: int) -> None:
+        assert st.optimizer is not None
+        scaler = st.extra["scaler"]
+        assert isinstance(scaler, torch.amp.GradScaler)
+        x, y = _batch(i)
+        st.optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(st.model(x), y)
+        if i == 1:
+            loss = loss * float("inf")  # an overflow: the step is skipped and the scale backs off
+        scaler.scale(loss).backward()
+        scaler.step(st.optimizer)
+        scaler.update()
+
+    # Saved at step 3: scale backed off to 2**9, one clean step towards growth; it grows at step 5.
+    resumed = _resume_matches(tmp_path, make, step, before=3, after=5)
+    scaler = resumed.extra["scaler"]
+    assert isinstance(scaler, torch.amp.GradScaler)
+    assert scaler.get_scale() == 2.0**11
+
+
+class _Tally(torch.optim.Optimizer):
+    """SGD that keeps an int, a float, a string and a list of strings per parameter, plus a tensor."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                s = self.state[p]
+                if not s:
+                    s.update(count=0, ema=0.0, tag="fresh", seen=[], buf=torch.zeros_like(p))
+                s["count"] += 1
+                s["ema"] = 0.9 * s["ema"] + 0.1 * float(p.grad.norm())
+                s["tag"] = f"step-{s['count']}"
+                s["seen"].append(s["tag"])
+                s["buf"].mul_(0.5).add_(p.grad)
+                p.add_(s["buf"], alpha=-group["lr"] / s["count"])
+
+
+def test_non_tensor_optimizer_state_round_trips_with_its_types(tmp_path: Path) -> None:
+    def make() -> TrainingState:
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        return TrainingState(model, _Tally(model.parameters()))
+
+    torch.manual_seed(0)
+    src = make()
+    for i in range(3):
+        _plain_step(src, i)
+    Checkpointer().save(str(tmp_path / "one"), 3, src)
+    dst = make()
+    Checkpointer().load(str(tmp_path / "one" / "step3"), dst)
+    assert src.optimizer is not None and dst.optimizer is not None
+    for p_src, p_dst in zip(src.model.parameters(), dst.model.parameters(), strict=True):
+        a, b = src.optimizer.state[p_src], dst.optimizer.state[p_dst]
+        assert set(a) == set(b)
+        for key in ("count", "ema", "tag", "seen"):
+            assert a[key] == b[key] and type(a[key]) is type(b[key]), key
+        assert torch.equal(a["buf"], b["buf"])
+    _resume_matches(tmp_path / "two", make, _plain_step, before=3, after=3)
+
+
+# ---------------------------------------------------------------------- item 4: what does not fit
+
+
+def _mlp(*widths: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(pairwise(widths)):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers)
+
+
+def _saved_mlp(tmp_path: Path, *widths: int) -> tuple[str, TrainingState]:
+    torch.manual_seed(0)
+    model = _mlp(*widths)
+    st = TrainingState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _plain_step(st, 0)
+    Checkpointer().save(str(tmp_path), 1, st)
+    return str(tmp_path / "step1"), st
+
+
+def _snapshot(st: TrainingState) -> tuple[str, list[dict[str, Any]], int]:
+    assert st.optimizer is not None
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in st.optimizer.param_groups]
+    return _digest(st), groups, len(st.optimizer.state)
+
+
+def test_strict_false_loads_what_matches_and_reports_missing_and_unexpected(tmp_path: Path) -> None:
+    path, src = _saved_mlp(tmp_path, 6, 8, 3)
+
+    torch.manual_seed(1)
+    bigger = _mlp(6, 8, 3, 2)  # one layer more
+    st = TrainingState(bigger, torch.optim.AdamW(bigger.parameters()), strict=False)
+    extra_before = bigger[4].weight.detach().clone()
+    Checkpointer().load(path, st)
+    assert st.load_report is not None
+    assert st.load_report.missing_keys == ["model.4.weight", "model.4.bias"]
+    assert st.load_report.unexpected_keys == [] and st.load_report.mismatched_keys == []
+    assert torch.equal(bigger[2].weight, src.model[2].weight)  # type: ignore[index]
+    assert torch.equal(bigger[4].weight, extra_before)
+    assert st.optimizer is not None and bigger[4].weight not in st.optimizer.state
+    assert st.optimizer.param_groups[0]["lr"] == 1e-2
+
+    torch.manual_seed(1)
+    smaller = _mlp(6, 8)
+    st = TrainingState(smaller, torch.optim.AdamW(smaller.parameters()), strict=False)
+    Checkpointer().load(path, st)
+    assert st.load_report is not None and st.load_report.missing_keys == []
+    unexpected = set(st.load_report.unexpected_keys)
+    assert {"model.2.weight", "model.2.bias", "optim.state.2.weight.exp_avg", "optim.state.2.bias.step"} <= unexpected
+    # Its one param group holds two of the saved group's four parameters: it takes that group's settings.
+    assert st.optimizer is not None and st.optimizer.param_groups[0]["lr"] == 1e-2
+    assert torch.equal(smaller[0].weight, src.model[0].weight)  # type: ignore[index]
+
+    # strict (the default) refuses both, names the keys and the fix, and changes nothing.
+    torch.manual_seed(1)
+    bigger = _mlp(6, 8, 3, 2)
+    st = TrainingState(bigger, torch.optim.AdamW(bigger.parameters()))
+    before = _snapshot(st)
+    with pytest.raises(CheckpointMismatchError, match=r"it has no model\.4\.weight.*strict=False"):
+        Checkpointer().load(path, st)
+    assert _snapshot(st) == before and st.load_report is None
+
+
+def test_a_shape_mismatch_names_the_key_both_shapes_and_the_fix(tmp_path: Path) -> None:
+    path, src = _saved_mlp(tmp_path, 6, 8, 3)
+    torch.manual_seed(1)
+    model = _mlp(6, 9, 3)
+    st = TrainingState(model, torch.optim.AdamW(model.parameters()))
+    before = _snapshot(st)
+    with pytest.raises(CheckpointMismatchError) as info:
+        Checkpointer().load(path, st)
+    msg = str(info.value)
+    assert "model.0.weight has shape [8, 6] in the checkpoint and [9, 6] in the model" in msg
+    assert "strict=False" in msg and "bytes" not in msg
+    assert isinstance(info.value, ConfigurationError) and isinstance(info.value, CheckpointError)
+    assert _snapshot(st) == before
+
+    st.strict = False
+    Checkpointer().load(path, st)
+    assert st.load_report is not None
+    mismatched = set(st.load_report.mismatched_keys)
+    assert {"model.0.weight", "model.0.bias", "model.2.weight", "optim.state.0.weight.exp_avg"} <= mismatched
+    assert "model.2.bias" not in mismatched and torch.equal(model[2].bias, src.model[2].bias)  # type: ignore[index]
+    assert st.optimizer is not None and model[0].weight not in st.optimizer.state
+    assert model[2].bias in st.optimizer.state
+
+
+class _Picky:
+    """An extra whose load_state_dict raises a raw KeyError on a foreign state."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.value = key, 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: self.value}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd[self.key]
+
+
+def test_no_raw_torch_error_escapes_a_load_and_a_failed_load_changes_nothing(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _mlp(6, 8, 3)
+    st = TrainingState(model, torch.optim.AdamW(model.parameters(), lr=1e-2), extra={"p": _Picky("a")})
+    _plain_step(st, 0)
+    Checkpointer().save(str(tmp_path), 1, st)
+    path = str(tmp_path / "step1")
+
+    def fresh(groups: int = 1, extra: Any = None) -> TrainingState:
+        torch.manual_seed(1)
+        m = _mlp(6, 8, 3)
+        _plain_step(TrainingState(m, torch.optim.SGD(m.parameters(), lr=0.1)), 5)  # other weights
+        params = list(m.parameters())
+        opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}] if groups == 2 else params)
+        st = TrainingState(m, opt, extra={"p": extra or _Picky("a")})
+        _plain_step(st, 6)
+        return st
+
+    # Another param-group layout: torch's load_state_dict would raise ValueError.
+    st2 = fresh(groups=2)
+    before = _snapshot(st2)
+    with pytest.raises(CheckpointMismatchError, match=r"optim\.param_groups"):
+        Checkpointer().load(path, st2)
+    assert _snapshot(st2) == before
+
+    # An extra that cannot take the saved state: raised after model and optimizer were loaded, all undone.
+    st3 = fresh(extra=_Picky("b"))
+    before = _snapshot(st3)
+    opt_state_before = st3.optimizer.state if st3.optimizer else None
+    with pytest.raises(CheckpointMismatchError, match="KeyError") as info:
+        Checkpointer().load(path, st3)
+    assert not isinstance(info.value, (RuntimeError, KeyError))
+    assert _snapshot(st3) == before and st3.optimizer is not None and st3.optimizer.state is opt_state_before
+
+    # An extra named here but absent from the checkpoint.
+    torch.manual_seed(1)
+    m = _mlp(6, 8, 3)
+    st4 = TrainingState(m, torch.optim.AdamW(m.parameters()), extra={"p": _Picky("a"), "q": _Picky("a")})
+    with pytest.raises(CheckpointMismatchError, match=r"extra\.q"):
+        Checkpointer().load(path, st4)
+
+
+# ---------------------------------------------------------------------- item 5: no side effects
+
+
+def _dropout_state(seed: int = 0) -> TrainingState:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    return TrainingState(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05))
+
+
+def _run(steps: int, save: Callable[[TrainingState, int], None] | None) -> tuple[TrainingState, list[torch.Tensor]]:
+    """The run, saving after every step (and before the first) when ``save``; the RNG state at each save."""
+    st = _dropout_state()
+    rngs = [torch.get_rng_state()]
+    if save is not None:
+        save(st, 0)  # before any step: the optimizer has no state yet
+        assert st.optimizer is not None and len(st.optimizer.state) == 0
+    for i in range(steps):
+        _plain_step(st, i)
+        rngs.append(torch.get_rng_state())
+        if save is not None:
+            save(st, i + 1)
+    return st, rngs
+
+
+def test_saving_at_every_step_sync_or_async_leaves_the_run_bit_identical(tmp_path: Path) -> None:
+    steps = 5
+    clean, rngs = _run(steps, None)
+    want = _digest(clean)
+
+    sync = Checkpointer()
+    with_sync, _ = _run(steps, lambda st, i: (sync.save(str(tmp_path / "sync"), i, st), None)[1])
+    assert _digest(with_sync) == want
+
+    background = Checkpointer()
+    futures = []
+
+    def save_async(st: TrainingState, i: int) -> None:
+        futures.append(background.save_async(str(tmp_path / "async"), i, st)[1])
+
+    with_async, _ = _run(steps, save_async)
+    background.close()
+    assert [f.result().step for f in futures] == list(range(steps + 1))
+    assert _digest(with_async) == want
+
+    # Digests and captures read, never initialise.
+    st = _dropout_state()
+    state_digest(st.model, st.optimizer)
+    st.capture()
+    assert st.optimizer is not None and len(st.optimizer.state) == 0
+
+    # Fresh objects loaded from any step (0 included: no optimizer state) continue to the same end.
+    for folder in ("sync", "async"):
+        for k in (0, 2):
+            resumed = _dropout_state(7)
+            Checkpointer().load(str(tmp_path / folder / f"step{k}"), resumed)
+            assert resumed.optimizer is not None
+            assert len(resumed.optimizer.state) == (0 if k == 0 else 4)
+            torch.set_rng_state(rngs[k])
+            for i in range(k, steps):
+                _plain_step(resumed, i)
+            assert _digest(resumed) == want, (folder, k)
