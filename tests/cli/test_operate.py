@@ -252,3 +252,34 @@ def test_cp_carries_on_past_a_corrupt_checkpoint_and_cleans_its_own_leftovers(tm
     (dst / ".tmp-step30-deadbeef" / "model_and_optim").mkdir(parents=True)  # a killed earlier copy
     assert main(["cp", str(folder), str(dst)]) == 1
     assert sorted(p.name for p in dst.iterdir()) == ["step10", "step30", "step40", "step50"]
+
+
+def test_prune_keeps_the_best_by_metric_and_the_young(tmp_path: Path) -> None:
+    from torch import nn
+
+    from ckptkeeper import CheckpointManager, CheckpointPolicyConfig
+
+    folder = str(tmp_path / "run")
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=CheckpointPolicyConfig(save_interval=None))
+    mgr.restore()
+    for step, loss in ((1, 0.5), (2, 0.2), (3, 0.9), (4, 0.7)):
+        mgr.save(step, metrics={"val_loss": loss}, wait=True)
+    mgr.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptkeeper", "prune", folder, "--keep-best", "1", "--metric", "val_loss", "--yes"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    left = sorted(p.name for p in Path(folder).iterdir() if p.name.startswith("step"))
+    assert left == ["step2", "step4"]  # the best, and the newest
+    young = subprocess.run(
+        [sys.executable, "-m", "ckptkeeper", "prune", folder, "--keep-younger-than", "1h", "--dry-run"],
+        capture_output=True,
+        text=True,
+    )
+    assert young.returncode == 0 and "nothing to remove" in young.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "ckptkeeper", "prune", folder, "--keep-best", "1"], capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "--metric" in bad.stderr

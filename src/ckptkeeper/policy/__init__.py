@@ -1,7 +1,7 @@
 """Pure checkpoint policy: configuration and decisions, with no I/O, clock or torch."""
 
 from .config import CheckpointPolicyConfig, RemovalStrategy
-from .pruning import PrunePlan, PruneRules, plan_prune
+from .pruning import PruneCandidate, PrunePlan, PruneRules, RetentionRules, plan_prune
 from .schedule import (
     RetentionBook,
     SaveKind,
@@ -14,10 +14,12 @@ from .schedule import (
 
 __all__ = [
     "CheckpointPolicyConfig",
+    "PruneCandidate",
     "PrunePlan",
     "PruneRules",
     "RemovalStrategy",
     "RetentionBook",
+    "RetentionRules",
     "SaveKind",
     "decide_save",
     "is_permanent_step",

@@ -1,22 +1,25 @@
-"""Which checkpoints a manual prune keeps: composable keep-rules over plain step numbers.
+"""Which checkpoints to keep: composable keep-rules, used by ``ckptkeeper prune`` and by
+:class:`~ckptkeeper.CheckpointManager`'s retention alike.
 
-A checkpoint stays if any rule keeps it; the newest checkpoint always stays. Pure: no I/O, no
-clock; the ``prune`` command carries the answer out.
+A checkpoint stays if any rule keeps it; the newest checkpoint and any protected one (a checkpoint
+being loaded, a save in flight) always stay. Pure: no I/O and no clock (the caller passes ``now``),
+so every rule is tested by tables; the callers carry the answer out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ConfigurationError
 
-__all__ = ["PrunePlan", "PruneRules", "plan_prune"]
+__all__ = ["PruneCandidate", "PrunePlan", "PruneRules", "RetentionRules", "plan_prune"]
 
 
 @dataclass(frozen=True)
 class PruneRules:
-    """Keep-rules for a prune; at least one must be given."""
+    """Keep-rules; at least one must be given. A checkpoint stays if any of them keeps it."""
 
     keep_last: int | None = None
     """Keep the newest N checkpoints (N >= 1)."""
@@ -24,19 +27,63 @@ class PruneRules:
     """Keep every checkpoint whose step is a multiple of K (K >= 1)."""
     keep_steps: Sequence[int] = field(default_factory=tuple)
     """Keep these steps."""
+    keep_best: int | None = None
+    """Keep the K checkpoints with the best value of ``best_metric`` (given at save time)."""
+    best_metric: str | None = None
+    """The metric ``keep_best`` ranks by, e.g. ``"val_loss"``; checkpoints saved without it are not ranked."""
+    best_mode: str = "min"
+    """``"min"`` (lower is better, losses) or ``"max"`` (higher is better, accuracies)."""
+    keep_younger_than: float | None = None
+    """Keep checkpoints created less than this many seconds ago."""
 
     def __post_init__(self) -> None:
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ConfigurationError(f"'keep_last' must be at least 1, got {self.keep_last}")
-        if self.keep_every is not None and self.keep_every < 1:
-            raise ConfigurationError(f"'keep_every' must be at least 1, got {self.keep_every}")
-        if any(s < 0 for s in self.keep_steps):
+        for name in ("keep_last", "keep_every", "keep_best"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"'{name}' must be a whole number of at least 1, got {value!r}")
+        object.__setattr__(self, "keep_steps", tuple(self.keep_steps))
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.keep_steps):
             raise ConfigurationError(f"'keep_steps' must be steps >= 0, got {list(self.keep_steps)}")
-        if self.keep_last is None and self.keep_every is None and not self.keep_steps:
+        if self.best_mode not in ("min", "max"):
+            raise ConfigurationError(f"'best_mode' must be 'min' or 'max', got {self.best_mode!r}")
+        if (self.keep_best is None) != (self.best_metric is None):
             raise ConfigurationError(
-                "give at least one keep-rule (keep_last, keep_every or keep_steps); pruning with none would "
-                "remove every checkpoint but the newest"
+                "'keep_best' and 'best_metric' go together: keep_best=K ranks checkpoints by the metric named in "
+                "best_metric (pass metrics={'NAME': value} when saving)"
             )
+        if self.keep_younger_than is not None and (
+            isinstance(self.keep_younger_than, bool)
+            or not isinstance(self.keep_younger_than, (int, float))
+            or not math.isfinite(self.keep_younger_than)
+            or self.keep_younger_than <= 0
+        ):
+            raise ConfigurationError(
+                f"'keep_younger_than' must be a positive number of seconds, got {self.keep_younger_than!r}"
+            )
+        if (
+            self.keep_last is None
+            and self.keep_every is None
+            and not self.keep_steps
+            and self.keep_best is None
+            and self.keep_younger_than is None
+        ):
+            raise ConfigurationError(
+                "give at least one keep-rule (keep_last, keep_every, keep_steps, keep_best or keep_younger_than); "
+                "pruning with none would remove every checkpoint but the newest"
+            )
+
+
+RetentionRules = PruneRules
+"""The same rules, under the name :class:`~ckptkeeper.CheckpointManager` takes them (``retention=``)."""
+
+
+@dataclass(frozen=True)
+class PruneCandidate:
+    """What the rules look at for one complete checkpoint."""
+
+    step: int
+    created_unix: float | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -47,9 +94,23 @@ class PrunePlan:
     remove: list[int]
 
 
-def plan_prune(steps: Iterable[int], rules: PruneRules) -> PrunePlan:
-    """Apply ``rules`` to the steps of the complete checkpoints of a save folder."""
-    ordered = sorted(set(steps))
+def plan_prune(
+    checkpoints: Iterable[int | PruneCandidate],
+    rules: PruneRules,
+    *,
+    now: float | None = None,
+    protected: Collection[int] = (),
+) -> PrunePlan:
+    """Apply ``rules`` to complete checkpoints (steps, or candidates carrying age and metrics).
+
+    ``now`` (Unix seconds) is needed only by ``keep_younger_than``; a checkpoint of unknown age is
+    kept by that rule, since it cannot be shown to be old. ``protected`` steps always stay.
+    """
+    by_step: dict[int, PruneCandidate] = {}
+    for c in checkpoints:
+        cand = c if isinstance(c, PruneCandidate) else PruneCandidate(step=c)
+        by_step[cand.step] = cand
+    ordered = sorted(by_step)
     keep: dict[int, list[str]] = {}
 
     def mark(step: int, why: str) -> None:
@@ -57,6 +118,9 @@ def plan_prune(steps: Iterable[int], rules: PruneRules) -> PrunePlan:
 
     if ordered:
         mark(ordered[-1], "newest")
+    for s in ordered:
+        if s in protected:
+            mark(s, "in use")
     if rules.keep_last is not None:
         for s in ordered[-rules.keep_last :]:
             mark(s, f"last {rules.keep_last}")
@@ -68,4 +132,23 @@ def plan_prune(steps: Iterable[int], rules: PruneRules) -> PrunePlan:
     for s in ordered:
         if s in wanted:
             mark(s, "listed")
+    if rules.keep_best is not None and rules.best_metric is not None:
+        metric = rules.best_metric
+        ranked = [
+            (float(by_step[s].metrics[metric]), s)
+            for s in ordered
+            if isinstance(by_step[s].metrics.get(metric), (int, float))
+            and math.isfinite(float(by_step[s].metrics[metric]))
+        ]
+        # Ties go to the newer checkpoint: it holds more training for the same score.
+        ranked.sort(key=lambda vs: (vs[0] if rules.best_mode == "min" else -vs[0], -vs[1]))
+        for _, s in ranked[: rules.keep_best]:
+            mark(s, f"best {rules.keep_best} by {metric}")
+    if rules.keep_younger_than is not None:
+        if now is None:
+            raise ValueError("keep_younger_than needs 'now'")
+        for s in ordered:
+            created = by_step[s].created_unix
+            if created is None or now - created < rules.keep_younger_than:
+                mark(s, "recent")
     return PrunePlan(keep=dict(sorted(keep.items())), remove=[s for s in ordered if s not in keep])
