@@ -12,9 +12,11 @@ import ckptkeeper
 SRC = Path(ckptkeeper.__file__).parent
 
 PUBLIC = {
-    "Callback", "CheckpointError", "CheckpointEvent", "CheckpointInfo", "CheckpointNotFoundError",
+    "Callback", "CheckpointError", "CheckpointEvent", "CheckpointInfo", "CheckpointManager", "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CheckpointPolicyConfig", "CheckpointSaveError", "Checkpointer", "CheckpointerCallback", "CkptkeeperError",
-    "CommitRecord", "ConfigurationError", "CorruptCheckpointError", "DiskFullError", "RemovalStrategy",
+    "CommitRecord", "ConfigurationError", "CorruptCheckpointError", "DiskFullError", "JsonStateful",
+    "RemovalStrategy", "RetentionRules",
     "SaveFolderInUseError", "SaveFolderLease", "SaveResult", "Stateful", "Storage", "StorageAccessError",
     "StorageError", "Trainer", "TrainingState",
     "UnsafeCheckpointError", "__version__", "state_digest", "storage_for",

@@ -1,12 +1,18 @@
 """ckptkeeper: checkpoints for PyTorch training runs that are saved on time, committed atomically,
 verified on load, and pruned by rules you can read.
 
-Quick use::
+Quick use, in your own training loop::
 
-    from ckptkeeper import Trainer, CheckpointerCallback
-    cb = CheckpointerCallback(save_interval=1000, ephemeral_save_interval=100)
-    Trainer(model=m, optimizer=opt, loss_fn=loss, data_loader=dl, save_folder="runs/a",
-            max_steps=10_000, callbacks=[cb]).fit()
+    from ckptkeeper import CheckpointManager, CheckpointPolicyConfig
+    mgr = CheckpointManager("runs/a", model=model, optimizer=opt,
+                            config=CheckpointPolicyConfig(save_interval=1000, ephemeral_save_interval=100))
+    step = mgr.restore()                  # newest good checkpoint, else 0
+    for batch in mgr.data(loader):        # resumes the data position
+        ...; step += 1
+        mgr.save_if_due(step)
+        if step == max_steps:
+            break
+    mgr.close()
 """
 
 from typing import TYPE_CHECKING, Any
@@ -14,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 from .errors import (
     CheckpointError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     CkptkeeperError,
@@ -38,7 +45,8 @@ if TYPE_CHECKING:
         state_digest,
     )
     from .integrations import Callback, CheckpointerCallback, CheckpointEvent, Trainer
-    from .policy import CheckpointPolicyConfig, RemovalStrategy
+    from .manager import CheckpointManager, JsonStateful
+    from .policy import CheckpointPolicyConfig, RemovalStrategy, RetentionRules
     from .storage import Storage, storage_for
 
 # Names are imported on first use (PEP 562): `ckptkeeper --help` and `ckptkeeper ls` must not pay
@@ -50,7 +58,8 @@ _LAZY = {
         "engine",
     ),
     **dict.fromkeys(("Callback", "CheckpointerCallback", "CheckpointEvent", "Trainer"), "integrations"),
-    **dict.fromkeys(("CheckpointPolicyConfig", "RemovalStrategy"), "policy"),
+    **dict.fromkeys(("CheckpointManager", "JsonStateful"), "manager"),
+    **dict.fromkeys(("CheckpointPolicyConfig", "RemovalStrategy", "RetentionRules"), "policy"),
     **dict.fromkeys(("Storage", "storage_for"), "storage"),
 }  # fmt: skip
 
@@ -75,6 +84,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointEvent",
     "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointPolicyConfig",
     "CheckpointSaveError",
@@ -85,7 +96,9 @@ __all__ = [
     "ConfigurationError",
     "CorruptCheckpointError",
     "DiskFullError",
+    "JsonStateful",
     "RemovalStrategy",
+    "RetentionRules",
     "SaveFolderInUseError",
     "SaveFolderLease",
     "SaveResult",

@@ -1,0 +1,845 @@
+"""CheckpointManager: ckptkeeper for any training loop.
+
+One object holds everything a run needs from ckptkeeper: it resumes from the newest checkpoint
+that loads (falling back past corrupt ones), puts back the RNG streams and the data position,
+decides at each step whether to save (OLMo-core's ``CheckpointerCallback`` rules: permanent and
+ephemeral intervals, fixed steps, cooldown, pre-train and final saves, removal of superseded and
+earlier runs' checkpoints), saves in the background with one save in flight, applies retention
+rules beyond the seed (keep last N, every K-th, best K by a metric, younger than a duration),
+saves on a wall-clock timer or once on a preemption signal, and holds the save folder's lease.
+
+The built-in :class:`~ckptkeeper.Trainer` and :class:`~ckptkeeper.CheckpointerCallback` are thin
+layers over this class, so there is one implementation of resume, fallback, schedule and retention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any, Protocol
+
+from torch import nn
+from torch.optim import Optimizer
+
+from . import distributed as D
+from ._resume import DataPosition, check_train_state, from_olmo_core, rng_state, set_rng_state
+from .engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, TrainingState
+from .engine.discovery import NOT_OURS
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CkptkeeperError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    SaveFolderInUseError,
+)
+from .policy import (
+    CheckpointPolicyConfig,
+    PruneCandidate,
+    RemovalStrategy,
+    RetentionBook,
+    RetentionRules,
+    SaveKind,
+    decide_save,
+    needs_final_save,
+    plan_prune,
+    removable_from_earlier_runs,
+    wants_pre_train_save,
+)
+from .storage import is_url, parse_step, storage_for
+
+__all__ = ["CheckpointEvent", "CheckpointManager", "JsonStateful"]
+
+log = logging.getLogger("ckptkeeper.manager")
+
+
+class JsonStateful(Protocol):
+    """State kept as JSON in the trainer state: ``state_dict()`` returns a JSON-able dict (or None)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class CheckpointEvent:
+    """One save or removal made by the manager, in the order it was made."""
+
+    event: str
+    """``"save"`` or ``"remove"``."""
+    step: int
+    """The checkpoint's step."""
+    at_step: int
+    """The training step when it happened."""
+    kind: str | None = None
+    """For saves: ``"permanent"`` or ``"ephemeral"``."""
+    path: str = ""
+
+
+class CheckpointManager:
+    """Checkpoints for a training loop you write yourself.
+
+    ::
+
+        mgr = CheckpointManager("runs/a", model=model, optimizer=opt, extra_state={"sched": sched},
+                                config=CheckpointPolicyConfig(save_interval=1000, ephemeral_save_interval=100))
+        step = mgr.restore()              # newest good checkpoint, else 0
+        for batch in mgr.data(loader):    # optional: continues the data position
+            ...                           # one update
+            step += 1
+            mgr.save_if_due(step)
+            if step == max_steps:
+                break
+        mgr.close()                       # final save, waits for the writer, releases the folder
+
+    Args:
+        save_folder: where checkpoints go (a path, ``s3://`` or ``gs://`` URL).
+        model, optimizer: what to checkpoint; optimizer state is keyed by parameter name.
+        extra_state: more objects with ``state_dict()``/``load_state_dict()`` (LR schedulers, a
+            ``GradScaler``): their tensors are stored as tensors, the rest as JSON.
+        json_state: objects whose whole state is JSON-able (counters, a framework's loop state);
+            kept in the trainer-state file, given back through ``load_state_dict`` on restore.
+        config: when to save and what to remove (the seed's rules); default ``CheckpointPolicyConfig()``.
+        retention: keep-rules for permanent checkpoints beyond the seed (off by default: permanent
+            checkpoints stay forever). A checkpoint stays if any rule keeps it; the newest complete
+            checkpoint and one being loaded always stay.
+        save_every_seconds: also save (an ephemeral checkpoint) when this much wall-clock time has
+            passed since the last save.
+        save_on_signals: signals (e.g. ``signal.SIGTERM``, ``signal.SIGUSR1``) that mean
+            preemption: at the next :meth:`save_if_due` the manager waits for any save in flight,
+            saves that step, closes, and exits with ``SystemExit(0)`` (``exit_on_signal=False``:
+            returns and sets :attr:`preempted` instead). Installed by :meth:`restore` (main thread).
+        load_path: a checkpoint (or save folder) to start from when ``save_folder`` holds none.
+        checkpointer: the engine (default ``Checkpointer()``): writer threads, staging budget, spool.
+        start_fresh_if_unloadable: when the folder holds checkpoints and none loads, start from
+            scratch instead of raising :class:`~ckptkeeper.CorruptCheckpointError`.
+        take_lease: hold the folder's writer lease while open (a second run on it is refused).
+        strict: ``False`` loads what matches the model and reports the rest in :attr:`load_report`.
+        state: an already built :class:`~ckptkeeper.TrainingState` (instead of model/optimizer/extra_state).
+    """
+
+    def __init__(
+        self,
+        save_folder: str,
+        *,
+        model: nn.Module | None = None,
+        optimizer: Optimizer | None = None,
+        extra_state: Mapping[str, Stateful] | None = None,
+        json_state: Mapping[str, JsonStateful] | None = None,
+        config: CheckpointPolicyConfig | None = None,
+        retention: RetentionRules | None = None,
+        save_every_seconds: float | None = None,
+        save_on_signals: Sequence[int] = (),
+        exit_on_signal: bool = True,
+        load_path: str | None = None,
+        checkpointer: Checkpointer | None = None,
+        start_fresh_if_unloadable: bool = False,
+        take_lease: bool = True,
+        strict: bool = True,
+        state: TrainingState | None = None,
+    ) -> None:
+        if not isinstance(save_folder, str) or not save_folder:
+            raise ConfigurationError("'save_folder' must be a path or URL")
+        if state is None:
+            if model is None:
+                raise ConfigurationError("CheckpointManager needs 'model' (or a TrainingState as 'state')")
+            state = _training_state(model, optimizer, extra_state, strict)
+        elif model is not None or optimizer is not None or extra_state is not None:
+            raise ConfigurationError("pass either 'state' or model/optimizer/extra_state, not both")
+        if config is None:
+            config = CheckpointPolicyConfig()
+        if not isinstance(config, CheckpointPolicyConfig):
+            raise ConfigurationError(f"'config' must be a CheckpointPolicyConfig, got {type(config).__name__}")
+        if retention is not None and not isinstance(retention, RetentionRules):
+            raise ConfigurationError(f"'retention' must be a RetentionRules, got {type(retention).__name__}")
+        if save_every_seconds is not None and (
+            isinstance(save_every_seconds, bool)
+            or not isinstance(save_every_seconds, (int, float))
+            or not math.isfinite(save_every_seconds)
+            or save_every_seconds <= 0
+        ):
+            raise ConfigurationError(f"'save_every_seconds' must be a positive number, got {save_every_seconds!r}")
+        signals = []
+        for sig in save_on_signals:
+            try:
+                signals.append(signal.Signals(sig))
+            except ValueError:
+                raise ConfigurationError(f"'save_on_signals' holds {sig!r}, which is not a signal") from None
+        self.save_folder = save_folder
+        self.config = config
+        self.retention = retention
+        self.save_every_seconds = save_every_seconds
+        self.save_on_signals = tuple(signals)
+        self.exit_on_signal = exit_on_signal
+        self.load_path = load_path
+        self.checkpointer = checkpointer or Checkpointer()
+        self.state = state
+        self.json_state: dict[str, JsonStateful] = dict(json_state or {})
+        self.start_fresh_if_unloadable = start_fresh_if_unloadable
+        self.take_lease = take_lease
+
+        self.step = 0
+        """The training step: the one restored, then the one last passed to :meth:`save_if_due`/:meth:`save`."""
+        self.start_step = 0
+        self.checkpoint_loaded = False
+        self.loaded_from: str | None = None
+        self.preempted = False
+        """True once a preemption signal was handled (with ``exit_on_signal=False``)."""
+        self.history: list[CheckpointEvent] = []
+        """Every save and removal this manager made, in order."""
+        self.lease: SaveFolderLease | None = None
+        self.on_saved: list[Callable[[str, SaveResult], None]] = []
+        """Called with (path, result) once a checkpoint is durable (async: when its write finished)."""
+        self.on_loaded: list[Callable[[str], None]] = []
+        """Called with the path after a checkpoint was loaded."""
+
+        self._save_async = config.save_async
+        self._opened = False
+        self._begun = False
+        self._closed = False
+        self._future: Future[Any] | None = None
+        self._latest_step = -1
+        self._latest_path = ""
+        self._book: RetentionBook[str] = RetentionBook()
+        self._pending: list[tuple[str, Future[SaveResult]]] = []
+        self._bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-bookkeeping")
+        self._bookkeeping_futures: list[Future[Any]] = []
+        self._bookkeeping_closed = False
+        self._reported: set[int] = set()
+        self._position = DataPosition()
+        self._loader: Any = None
+        self._last_save_time = time.monotonic()
+        self._signalled: int | None = None
+        self._old_handlers: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ context manager
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(final_save=exc is None)
+
+    # ------------------------------------------------------------------ what the run sees
+
+    @property
+    def checkpoint_pending(self) -> bool:
+        """Whether an async save has been started and not yet awaited."""
+        return self._future is not None
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """Permanent checkpoints this run saved."""
+        return list(self._book.permanents)
+
+    @property
+    def ephemeral_checkpoints(self) -> list[str]:
+        """Ephemeral checkpoints (this run's and earlier runs') not yet superseded."""
+        return list(self._book.ephemerals)
+
+    @property
+    def load_report(self) -> Any:
+        """With ``strict=False``: what the last load left out (missing and unexpected keys)."""
+        return getattr(self.state, "load_report", None)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch :meth:`data` is in (restored on resume)."""
+        return self._position.epoch
+
+    # ------------------------------------------------------------------ start
+
+    def restore(self, *, begin: bool = True) -> int:
+        """Take the folder, load the newest checkpoint that loads, and return its step (0: fresh start).
+
+        Corrupt or unloadable checkpoints are skipped with a warning (each failed load leaves the
+        model untouched); when the folder holds checkpoints and none loads,
+        :class:`~ckptkeeper.CorruptCheckpointError` lists them, unless ``start_fresh_if_unloadable``.
+        With no checkpoint in the folder, ``load_path`` (if given) is loaded. Then (``begin``) the
+        pre-train save is made when the policy asks for one and earlier runs' checkpoints due for
+        removal are noted.
+        """
+        if self._closed:
+            raise ConfigurationError("this CheckpointManager is closed; make a new one")
+        try:
+            self.open()
+            if not self.checkpoint_loaded:
+                self._resume()
+            self.start_step = self.step
+            if begin:
+                self.begin()
+        except BaseException:
+            self.close(final_save=False)
+            raise
+        return self.step
+
+    def open(self) -> None:
+        """Check the save folder is usable, take its lease (rank 0) and clear leftovers of crashed saves."""
+        if self._opened:
+            return
+
+        def prepare() -> None:
+            storage_for(self.save_folder).check_access(self.save_folder)
+            if self.take_lease:
+                # Before any clean-up: scratch in this folder may belong to the lease holder.
+                lease = SaveFolderLease(self.save_folder)
+                lease.acquire()
+                self.lease = lease
+                lease.start_renewing()
+            self.checkpointer.clean_scratch(self.save_folder)
+
+        D.on_rank0(prepare)
+        self._opened = True
+
+    def begin(self) -> None:
+        """Start the save schedule at :attr:`step`: pre-train save, earlier runs' removals, triggers."""
+        if self._begun:
+            return
+        if not self._opened:
+            raise ConfigurationError("call restore() before training (it resumes, or returns 0 on a fresh start)")
+        self._begun = True
+        self._install_signals()
+        self._last_save_time = time.monotonic()
+        if not self.config.enabled:
+            return
+        if self._save_async is None:
+            self._save_async = D.backend_supports_cpu()
+        if D.is_distributed() and self._save_async and self.checkpointer.process_group is None:
+            if not D.backend_supports_cpu():
+                raise ConfigurationError(
+                    "async checkpointing needs a CPU-capable process-group backend (gloo); pass "
+                    "CheckpointPolicyConfig(save_async=False) or initialise with backend 'cpu:gloo,cuda:nccl'"
+                )
+            log.info("creating a separate process group for async checkpointing")
+            self.checkpointer.process_group = D.new_cpu_group(timeout_minutes=30)
+
+        if wants_pre_train_save(self.config, self.step, self.checkpoint_loaded):
+            self._save(SaveKind.permanent)
+
+        if self.config.remove == RemovalStrategy.never:
+            return
+
+        def discover() -> list[str]:
+            try:
+                # Only ckptkeeper's own checkpoints are ever removed: an OLMo-core checkpoint in the
+                # folder (a run being continued) is resumed from, never deleted.
+                infos = self.checkpointer.list_checkpoints(self.save_folder)
+                existing = [(i.step, i.path) for i in infos if i.complete and i.flavor == "ckptkeeper"]
+            except FileNotFoundError:
+                existing = []
+            return removable_from_earlier_runs(self.config, existing, self.step)
+
+        found = D.on_rank0(discover)
+        self._book.adopt_found(found)
+        for path in found:
+            log.info("found earlier checkpoint %s; it is removed once the next ephemeral checkpoint is saved", path)
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, path: str) -> None:
+        """Load the checkpoint at ``path`` now: model, optimizer, extras, RNG, data position, JSON state."""
+        names = list(self.json_state)
+        ts = self.checkpointer.load(
+            path, self.state, check_train_state=lambda raw: check_train_state(from_olmo_core(raw), names)
+        )
+        self._apply_train_state(from_olmo_core(ts))
+        self.checkpoint_loaded = True
+        self.loaded_from = path
+        for fn in self.on_loaded:
+            fn(path)
+
+    def _apply_train_state(self, ts: Mapping[str, Any]) -> None:
+        self.step = int(ts["global_step"])
+        self._position.apply(ts.get("data", {}), ts["rng"])
+        saved = ts.get("callbacks", {})
+        for name, obj in self.json_state.items():
+            if name in saved:
+                obj.load_state_dict(dict(saved[name]))
+        set_rng_state(ts["rng"])
+
+    def _resume(self) -> bool:
+        def survey() -> tuple[list[str], list[tuple[str, str]]]:
+            # Complete checkpoints, newest first; and the ones that claim to be checkpoints (they
+            # have a commit record) but are broken. Folders without a record are not ours.
+            infos = self.checkpointer.list_checkpoints(self.save_folder)
+            good = [i.path for i in reversed(infos) if i.complete]
+            broken = [
+                (i.path, i.problem or "")
+                for i in infos
+                if not i.complete and i.problem != "no commit record" and not (i.problem or "").startswith(NOT_OURS)
+            ]
+            return good, broken
+
+        candidates, failures = D.on_rank0(survey)
+        for path in candidates:
+            try:
+                self.load(path)
+                return True
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                log.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
+                failures.append((path, str(exc)))
+        if failures:
+            listing = "; ".join(f"{p}: {why}" for p, why in sorted(failures))
+            if not self.start_fresh_if_unloadable:
+                raise CorruptCheckpointError(
+                    f"none of the {len(failures)} checkpoints in {self.save_folder} can be loaded ({listing}). "
+                    "Restore one from a copy, or pass start_fresh_if_unloadable=True (ckptkeeper train: "
+                    "--start-fresh-if-unloadable) to train from scratch; the broken checkpoints stay where they are"
+                )
+            log.warning(
+                "no checkpoint in %s could be loaded (%s); starting from %s as asked",
+                self.save_folder,
+                listing,
+                self.load_path or "scratch",
+            )
+        if self.load_path is not None:
+            load_path = self.load_path
+
+            # Only rank 0 lists (object stores bill and throttle listings); the others take its answer.
+            def resolve() -> str | None:
+                if self.checkpointer.dir_is_checkpoint(load_path):
+                    return load_path
+                return self.checkpointer.latest_checkpoint(load_path)
+
+            resolved = D.on_rank0(resolve)
+            if resolved is None:
+                raise CheckpointNotFoundError(
+                    f"load_path {load_path} holds no complete checkpoint; pass a step folder or a save "
+                    "folder that `ckptkeeper ls` shows as complete"
+                )
+            self.load(resolved)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ data
+
+    def data(self, loader: Iterable[Any], *, epochs: int | None = None) -> Iterator[Any]:
+        """Batches of ``loader`` from the restored position on, epoch after epoch.
+
+        After a resume the consumed batches of the current epoch are skipped (a plain
+        ``DataLoader``'s shuffle is replayed from the RNG state the epoch began with), so the run
+        sees exactly the batches an uninterrupted run would. The position goes into every
+        checkpoint. ``epochs``: stop at the end of that many epochs in all (restored ones count);
+        ``None`` keeps going: break out of the loop when training is done.
+        """
+        self._loader = loader
+        return self._position.batches(loader, epochs)
+
+    # ------------------------------------------------------------------ saving
+
+    def save_if_due(
+        self, step: int, *, metrics: Mapping[str, float] | None = None, skip_ephemeral: bool = False
+    ) -> str | None:
+        """Call after each update with the number of updates done; saves when the policy says so.
+
+        Returns the path of the checkpoint started at this step, or None. With async saves, a
+        save's failure is raised at a later call (or at :meth:`close`). ``metrics`` are stored in
+        the commit record of a checkpoint saved at this step (retention's ``keep_best`` ranks by
+        them). ``skip_ephemeral`` skips an ephemeral save due at this step.
+        """
+        self._check_step(step)
+        if not self._begun:
+            self.begin()
+        self.step = step
+        self.check_lease()
+        if not self.config.enabled:
+            return None
+        self._await_last(blocking=False)
+        if not self.checkpoint_pending:
+            self._remove_due()
+        self.poll()
+        if self.save_on_signals and not D.all_agree(self._signalled is None):
+            return self._preempt(metrics)
+        if step == self._latest_step:
+            return None  # called twice for one step (a framework hook, say): it is saved already
+        kind = decide_save(self.config, step, self._latest_step, skip_ephemeral)
+        if kind is None and self.save_every_seconds is not None and not skip_ephemeral and step != self._latest_step:
+            elapsed = time.monotonic() - self._last_save_time
+            # Rank 0's clock decides: ranks must start the same saves.
+            if D.on_rank0(lambda: elapsed >= (self.save_every_seconds or 0)):
+                kind = SaveKind.ephemeral
+        if kind is None:
+            return None
+        return self._save(kind, metrics=metrics)
+
+    def save(
+        self,
+        step: int,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        ephemeral: bool = False,
+        force: bool = False,
+        wait: bool = False,
+    ) -> str:
+        """Save ``step`` now, whatever the schedule says; returns the checkpoint's path.
+
+        Permanent unless ``ephemeral``. When this run already saved this step, nothing is written
+        and that checkpoint's path is returned, unless ``force`` (the step's checkpoint is written
+        again, replacing it). Async when the policy's ``save_async`` is; ``wait=True`` returns only
+        once the checkpoint is durable.
+        """
+        self._check_step(step)
+        if not self._begun:
+            self.begin()
+        self.step = step
+        self.check_lease()
+        if step == self._latest_step and self._latest_path and not force:
+            if wait:
+                self._await_last()
+            return self._latest_path
+        path = self._save(SaveKind.ephemeral if ephemeral else SaveKind.permanent, metrics=metrics)
+        if wait:
+            self._await_last()
+            self._remove_due()
+        return path
+
+    def finish(self) -> None:
+        """The end of a normal run: save the last step if this run has not, wait, carry out removals."""
+        if not self._begun or not self.config.enabled:
+            self.poll(wait=True)
+            return
+        # A run that resumed and trained no further has nothing new to save.
+        trained = not (self.checkpoint_loaded and self.step == self.start_step)
+        if trained and needs_final_save(self.step, self._latest_step):
+            self._save(SaveKind.permanent, use_async=False)
+        self._await_last()
+        self._remove_due()
+        self.poll(wait=True)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is durable; raises its error."""
+        self._await_last()
+        self.poll(wait=True)
+
+    def close(self, *, final_save: bool | None = None) -> None:
+        """Finish: final save (see below), wait for the writer and housekeeping, release the folder.
+
+        ``final_save=None`` (default) saves the last step when it is not saved yet, unless an
+        exception is being raised (``close()`` in a ``finally`` after an error does not save a
+        half-done step). Safe to call twice.
+        """
+        if self._closed:
+            return
+        if final_save is None:
+            final_save = sys.exc_info()[1] is None
+        try:
+            if final_save and self._begun:
+                self.finish()
+        finally:
+            self._closed = True
+            self._restore_signals()
+            try:
+                self.drain()
+            finally:
+                try:
+                    self.wait_for_bookkeeping()
+                finally:
+                    self._bookkeeping_closed = True
+                    self._bookkeeping.shutdown(wait=True)
+                    try:
+                        self.checkpointer.close()
+                    except CheckpointError as exc:
+                        if id(exc) not in self._reported:
+                            log.error("a background save failed after training stopped: %s", exc)
+                    finally:
+                        if self.lease is not None:
+                            self.lease.release()
+                            self.lease = None
+
+    def drain(self) -> None:
+        """Let a save in flight finish (after an error): its own failure is logged, not raised."""
+        if self._future is not None:
+            try:
+                self._await_last()
+            except Exception as err:
+                log.error("the checkpoint save in flight failed: %s", err)
+                self.mark_reported(err)
+            finally:
+                self._future = None
+
+    def mark_reported(self, exc: BaseException) -> None:
+        """Note that ``exc`` (and what caused it) was already raised or logged, so it is not reported twice."""
+        seen: BaseException | None = exc
+        while seen is not None and id(seen) not in self._reported:
+            self._reported.add(id(seen))
+            seen = seen.__cause__ or seen.__context__
+
+    # ------------------------------------------------------------------ writing (low level)
+
+    def train_state(self) -> dict[str, Any]:
+        """The JSON trainer state a checkpoint of the current step carries."""
+        objects = {}
+        for name, obj in self.json_state.items():
+            sd = obj.state_dict()
+            if sd is not None:
+                objects[name] = sd
+        return {
+            "global_step": self.step,
+            "rng": rng_state(),
+            "data": self._position.to_json(self._loader),
+            "callbacks": objects,
+            "world_size": D.get_world_size(),
+        }
+
+    def write_checkpoint(
+        self, *, ephemeral: bool = False, use_async: bool = False, metrics: Mapping[str, float] | None = None
+    ) -> tuple[str, Future[SaveResult] | None]:
+        """Write the current step's checkpoint with no schedule bookkeeping (for trainers' own hooks).
+
+        Returns (path, future of the async write or None when it was synchronous).
+        """
+        if not self._opened:
+            raise ConfigurationError("call restore() before saving (it takes the save folder and resumes)")
+        self.poll()
+        if use_async:
+            path, fut = self.checkpointer.save_async(
+                self.save_folder,
+                self.step,
+                self.state,
+                train_state=self.train_state(),
+                ephemeral=ephemeral,
+                metrics=metrics,
+            )
+            self._pending.append((path, fut))
+            self._last_save_time = time.monotonic()
+            return path, fut
+        result = self.checkpointer.save(
+            self.save_folder,
+            self.step,
+            self.state,
+            train_state=self.train_state(),
+            ephemeral=ephemeral,
+            metrics=metrics,
+        )
+        self._last_save_time = time.monotonic()
+        self._notify_saved(result.path, result)
+        return result.path, None
+
+    def _save(self, kind: SaveKind, use_async: bool | None = None, metrics: Mapping[str, float] | None = None) -> str:
+        use_async = bool(self._save_async) if use_async is None else use_async
+        was_pending = self.checkpoint_pending
+        self._await_last()
+        if was_pending:
+            # The save that superseded these is durable now; removing them no longer risks anything.
+            self._remove_due()
+        path, fut = self.write_checkpoint(ephemeral=kind == SaveKind.ephemeral, use_async=use_async, metrics=metrics)
+        self._future = fut
+        self._latest_step = self.step
+        self._latest_path = path
+        self.history.append(CheckpointEvent("save", self.step, self.step, kind.value, path))
+        self._book.record_save(path, kind)
+        if fut is None:
+            self._apply_retention()
+        return path
+
+    def _await_last(self, blocking: bool = True) -> None:
+        fut = self._future
+        if fut is None:
+            return
+        # Ranks must notice a finished save at the same step: one that raised the save's error a
+        # step earlier than the others would leave them waiting in training collectives.
+        if not blocking and not D.all_agree(fut.done()):
+            return
+        self._future = None
+        fut.result()
+        if not D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(self._latest_path)):
+            raise CheckpointSaveError(
+                f"the save of step {self._latest_step} finished but {self._latest_path} is not a complete checkpoint"
+            )
+        self._apply_retention()
+
+    def _notify_saved(self, path: str, result: SaveResult) -> None:
+        for fn in self.on_saved:
+            fn(path, result)
+
+    def poll(self, wait: bool = False) -> None:
+        """Call ``on_saved`` for async saves that have finished (``wait``: for all of them, waiting)."""
+        still = []
+        for path, fut in self._pending:
+            if wait or fut.done():
+                try:
+                    result = fut.result()
+                except Exception:
+                    continue  # raised where the schedule awaits the save
+                self._notify_saved(path, result)
+            else:
+                still.append((path, fut))
+        self._pending = still
+
+    # ------------------------------------------------------------------ removal
+
+    def _remove_due(self) -> None:
+        for path in self._book.take_due():
+            self._remove(path)
+
+    def _remove(self, path: str) -> None:
+        log.info("removing old checkpoint %s", path)
+        step = parse_step(path.rstrip("/").rsplit("/", 1)[-1])
+        self.history.append(CheckpointEvent("remove", -1 if step is None else step, self.step, None, path))
+        rank, fs_rank = D.get_rank(), D.get_fs_local_rank()
+        if rank == 0 or (not is_url(path) and fs_rank == 0):
+            # Making it invisible is immediate; the files go in the background.
+            try:
+                self.checkpointer.remove(
+                    path,
+                    run_in_background=lambda fn: self.run_bookkeeping_op(
+                        fn, op_name=f"remove {path}", soft_timeout=180 if is_url(path) else None
+                    ),
+                )
+            except CkptkeeperError as exc:
+                # Retention is housekeeping: a checkpoint it may not delete is left, never a crash.
+                log.error("not removing %s: %s", path, exc)
+
+    def _apply_retention(self) -> None:
+        rules = self.retention
+        if rules is None or D.get_rank() != 0:
+            return
+        current = self.step
+        # A save in flight is not complete yet, so it is not listed; it is protected all the same.
+        in_flight = self._latest_step if self.checkpoint_pending else None
+
+        def work() -> None:
+            infos = self.checkpointer.list_checkpoints(self.save_folder)
+            complete = [i for i in infos if i.complete]
+            if not complete:
+                return
+            keep_always = {max(i.step for i in complete)}
+            if in_flight is not None:
+                keep_always.add(in_flight)
+            permanent = {
+                i.step: i for i in complete if i.flavor == "ckptkeeper" and i.ephemeral is False and i.step <= current
+            }
+            plan = plan_prune(
+                [PruneCandidate(i.step, i.created_unix, i.metrics) for i in permanent.values()],
+                rules,
+                now=time.time(),
+                protected=keep_always,
+            )
+            for step in plan.remove:
+                path = permanent[step].path
+                log.info("retention: removing %s (no keep-rule keeps it)", path)
+                self.history.append(CheckpointEvent("remove", step, current, None, path))
+                try:
+                    self.checkpointer.remove(path)
+                except CkptkeeperError as exc:
+                    log.error("retention: not removing %s: %s", path, exc)
+
+        self.run_bookkeeping_op(work, op_name="retention")
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def run_bookkeeping_op(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        op_name: str | None = None,
+        distributed: bool = False,
+        soft_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Run ``fn`` off the training thread (deletions and other slow housekeeping).
+
+        A failure is logged, never raised into training: housekeeping must not kill a run.
+        ``distributed=True`` ops run inline because every rank must take part in them.
+        """
+        name = op_name or getattr(fn, "__name__", "bookkeeping op")
+
+        def run() -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                log.exception("bookkeeping op %r failed; training continues", name)
+                return None
+            finally:
+                took = time.perf_counter() - t0
+                if soft_timeout is not None and took > soft_timeout:
+                    log.warning("bookkeeping op %r took %.0fs (soft timeout %.0fs)", name, took, soft_timeout)
+
+        if distributed or self._bookkeeping_closed:
+            run()
+            return
+        self._bookkeeping_futures = [f for f in self._bookkeeping_futures if not f.done()]
+        self._bookkeeping_futures.append(self._bookkeeping.submit(run))
+
+    def wait_for_bookkeeping(self) -> None:
+        """Block until every background bookkeeping op has finished."""
+        while self._bookkeeping_futures:
+            self._bookkeeping_futures.pop(0).result()
+
+    # ------------------------------------------------------------------ triggers
+
+    def _install_signals(self) -> None:
+        if not self.save_on_signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigurationError(
+                "save_on_signals needs restore() to be called from the main thread (Python delivers signals there)"
+            )
+        for sig in self.save_on_signals:
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, old in self._old_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, old)
+        self._old_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: the save happens at the next step boundary, where the state is consistent.
+        self._signalled = signum
+
+    def _preempt(self, metrics: Mapping[str, float] | None) -> str | None:
+        sig = self._signalled
+        name = signal.Signals(sig).name if sig is not None else "a signal on another rank"
+        log.warning("%s received: saving step %d and stopping", name, self.step)
+        path: str | None = self._latest_path or None
+        if needs_final_save(self.step, self._latest_step):
+            path = self._save(SaveKind.permanent, use_async=False, metrics=metrics)
+        self.close(final_save=False)
+        self.preempted = True
+        if self.exit_on_signal:
+            log.warning("step %d is saved (%s); exiting", self.step, path)
+            raise SystemExit(0)
+        return path
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_step(self, step: int) -> None:
+        if self._closed:
+            raise ConfigurationError("this CheckpointManager is closed; make a new one to save again")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigurationError(f"step must be a whole number >= 0, got {step!r}")
+        if step < self.step:
+            raise ConfigurationError(
+                f"step {step} is before step {self.step}, which this run already reached; pass the number of "
+                "updates done so far (restore() returns the step to continue from)"
+            )
+
+    def check_lease(self) -> None:
+        """Raise SaveFolderInUseError when another run took the save folder's lease over."""
+        if self.lease is not None and self.lease.lost:
+            raise SaveFolderInUseError(
+                f"another run took over the lease of save folder {self.save_folder}; stopping so that "
+                "the two runs do not overwrite each other's checkpoints"
+            )
+
+
+def _training_state(
+    model: nn.Module, optimizer: Optimizer | None, extra: Mapping[str, Stateful] | None, strict: bool
+) -> TrainingState:
+    if strict:
+        return TrainingState(model, optimizer, extra)
+    return TrainingState(model, optimizer, extra, strict=False)  # type: ignore[call-arg]

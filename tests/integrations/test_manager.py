@@ -1,0 +1,231 @@
+"""CheckpointManager in a hand-written loop: resume, data position, triggers, retention, preemption."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ckptkeeper import (
+    Checkpointer,
+    CheckpointManager,
+    CheckpointPolicyConfig,
+    ConfigurationError,
+    CorruptCheckpointError,
+    RetentionRules,
+    state_digest,
+)
+from ckptkeeper.engine import discovery
+
+
+def _setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any, DataLoader[Any]]:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(48, 6, generator=g)
+    y = torch.randn(48, 2, generator=g)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return model, opt, sched, DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, batch: list[torch.Tensor]) -> None:
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
+    opt.step()
+    sched.step()
+
+
+def _run(
+    folder: str,
+    steps: int,
+    *,
+    stop_at: int | None = None,
+    config: CheckpointPolicyConfig | None = None,
+    metrics: Any = None,
+    **kw: Any,
+) -> tuple[CheckpointManager, str, int]:
+    """Train to ``steps`` (or abandon the run after ``stop_at``, as a crash would); returns (mgr, digest, start)."""
+    model, opt, sched, loader = _setup()
+    cfg = config or CheckpointPolicyConfig(save_interval=6, ephemeral_save_interval=2, save_async=False)
+    mgr = CheckpointManager(folder, model=model, optimizer=opt, extra_state={"sched": sched}, config=cfg, **kw)
+    step = start = mgr.restore()
+    if step < steps:
+        for batch in mgr.data(loader):
+            _step(model, opt, sched, batch)
+            step += 1
+            mgr.save_if_due(step, metrics=metrics(step) if metrics else None)
+            if step == stop_at:
+                mgr.close(final_save=False)  # a crash: nothing more is saved
+                return mgr, state_digest(model, opt), start
+            if step == steps:
+                break
+    mgr.close()
+    return mgr, state_digest(model, opt), start
+
+
+def _steps_on_disk(folder: str) -> list[int]:
+    return [i.step for i in discovery.list_checkpoints(folder) if i.complete]
+
+
+@pytest.mark.parametrize("save_async", [False, True])
+def test_crash_and_resume_equals_an_uninterrupted_run(tmp_path: Path, save_async: bool) -> None:
+    cfg = CheckpointPolicyConfig(save_interval=6, ephemeral_save_interval=2, save_async=save_async)
+    _, whole, _ = _run(str(tmp_path / "whole"), 17, config=cfg)  # 17 steps: three epochs of 6 batches
+    _run(str(tmp_path / "crash"), 17, stop_at=9, config=cfg)
+    mgr, resumed, start = _run(str(tmp_path / "crash"), 17, config=cfg)
+    assert start == 8 and mgr.loaded_from is not None and mgr.loaded_from.endswith("step8")
+    assert resumed == whole
+    # The final step is saved at close, superseded ephemerals are gone, permanents stay.
+    assert _steps_on_disk(str(tmp_path / "crash")) == [0, 6, 12, 16, 17]
+
+
+def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    _, whole, _ = _run(str(tmp_path / "whole"), 12)
+    _run(folder, 12, stop_at=9)
+    data = next(p for p in (tmp_path / "run" / "step8").rglob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    _, resumed, start = _run(folder, 12)
+    assert start == 6 and resumed == whole  # step 8 skipped; step 6 loaded and replayed exactly
+
+
+def test_all_checkpoints_corrupt_raises_unless_asked_to_start_fresh(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    _run(folder, 3, stop_at=3, config=CheckpointPolicyConfig(save_interval=2, save_async=False))
+    for data in (tmp_path / "run").rglob("*.distcp"):
+        data.write_bytes(b"\0" * data.stat().st_size)
+    with pytest.raises(CorruptCheckpointError, match="none of the 2 checkpoints"):
+        _run(folder, 4)
+    _, _, start = _run(folder, 4, start_fresh_if_unloadable=True)
+    assert start == 0
+
+
+def test_misuse_gets_clear_errors(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ConfigurationError, match="model"):
+        CheckpointManager(str(tmp_path))
+    with pytest.raises(ConfigurationError, match="save_every_seconds"):
+        CheckpointManager(str(tmp_path), model=model, save_every_seconds=0)
+    with pytest.raises(ConfigurationError, match="not a signal"):
+        CheckpointManager(str(tmp_path), model=model, save_on_signals=[12345])
+    mgr = CheckpointManager(str(tmp_path), model=model)
+    with pytest.raises(ConfigurationError, match="restore"):
+        mgr.save_if_due(1)
+    mgr.restore()
+    mgr.save_if_due(3)
+    with pytest.raises(ConfigurationError, match="before step 3"):
+        mgr.save_if_due(2)
+    with pytest.raises(ConfigurationError, match="finite"):
+        mgr.save(4, metrics={"loss": float("nan")})
+    mgr.close()
+    with pytest.raises(ConfigurationError, match="closed"):
+        mgr.save_if_due(5)
+
+
+def test_save_now_and_force(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    cfg = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg)
+    assert mgr.restore() == 0
+    first = mgr.save(5, wait=True, metrics={"loss": 0.25})
+    assert mgr.save(5) == first  # already saved: nothing written again
+    (info,) = [i for i in discovery.list_checkpoints(folder) if i.step == 5]
+    assert info.complete and info.ephemeral is False and dict(info.metrics) == {"loss": 0.25}
+    created = Checkpointer().read_record(first).created_unix
+    mgr.save(5, force=True, wait=True, metrics={"loss": 0.5})
+    assert Checkpointer().read_record(first).created_unix > created
+    mgr.close()
+    assert dict(Checkpointer().read_record(first).extra["metrics"]) == {"loss": 0.5}
+    assert [e.event for e in mgr.history] == ["save", "save"]
+
+
+def test_wall_clock_trigger(tmp_path: Path) -> None:
+    never = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False, save_async=False)
+    mgr, _, _ = _run(str(tmp_path / "a"), 5, config=never, save_every_seconds=1e-9)
+    # Each step is past the (tiny) deadline: an ephemeral save each, each superseding the last.
+    assert [(e.step, e.kind) for e in mgr.history if e.event == "save"] == [(s, "ephemeral") for s in range(1, 6)]
+    assert _steps_on_disk(str(tmp_path / "a")) == [5]
+    mgr, _, _ = _run(str(tmp_path / "b"), 5, config=never, save_every_seconds=3600, stop_at=5)
+    assert _steps_on_disk(str(tmp_path / "b")) == []
+    assert mgr.history == []
+
+
+def test_retention_keep_last_and_best(tmp_path: Path) -> None:
+    cfg = CheckpointPolicyConfig(save_interval=2, save_async=False)
+    folder = str(tmp_path / "run")
+    losses = {2: 0.9, 4: 0.1, 6: 0.8, 8: 0.7, 10: 0.6, 12: 0.5}
+    mgr, _, _ = _run(
+        folder,
+        12,
+        config=cfg,
+        retention=RetentionRules(keep_last=2, keep_best=1, best_metric="loss"),
+        metrics=lambda s: {"loss": losses.get(s, 1.0)},
+    )
+    # Step 0 (pre-train, no metric) and the others go; the best (4) and the last two stay.
+    assert _steps_on_disk(folder) == [4, 10, 12]
+    removed = sorted(e.step for e in mgr.history if e.event == "remove")
+    assert removed == [0, 2, 6, 8]
+
+
+def test_retention_never_removes_the_newest(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    cfg = CheckpointPolicyConfig(save_interval=2, save_async=True)
+    _run(folder, 6, config=cfg, retention=RetentionRules(keep_last=1))
+    assert _steps_on_disk(folder) == [6]
+    # Without retention rules permanent checkpoints stay, as in the seed.
+    _run(str(tmp_path / "b"), 6, config=cfg)
+    assert _steps_on_disk(str(tmp_path / "b")) == [0, 2, 4, 6]
+
+
+def _slow_writes(mgr: CheckpointManager, seconds: float) -> None:
+    write = mgr.checkpointer._write
+
+    def slow(*args: Any, **kw: Any) -> Any:
+        time.sleep(seconds)
+        return write(*args, **kw)
+
+    mgr.checkpointer._write = slow  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("during_async_save", [False, True])
+def test_sigterm_saves_once_and_exits_cleanly(tmp_path: Path, during_async_save: bool) -> None:
+    folder = str(tmp_path / "run")
+    model, opt, sched, loader = _setup()
+    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True, pre_train_checkpoint=False)
+    mgr = CheckpointManager(
+        folder, model=model, optimizer=opt, extra_state={"sched": sched}, config=cfg, save_on_signals=[signal.SIGTERM]
+    )
+    previous = signal.getsignal(signal.SIGTERM)
+    step = mgr.restore()
+    if during_async_save:
+        _slow_writes(mgr, 0.5)
+    with pytest.raises(SystemExit) as exit_:
+        for batch in mgr.data(loader):
+            _step(model, opt, sched, batch)
+            step += 1
+            mgr.save_if_due(step)
+            if step == 4:
+                assert mgr.checkpoint_pending  # the step-4 save is being written in the background
+                os.kill(os.getpid(), signal.SIGTERM)
+            assert step < 6
+    assert exit_.value.code == 0
+    assert step == 5
+    assert _steps_on_disk(folder) == [4, 5]  # the save in flight finished, then step 5 was saved once
+    assert signal.getsignal(signal.SIGTERM) == previous
+    assert mgr.lease is None
+    # The next run resumes from the preemption checkpoint.
+    model2, opt2, sched2, _ = _setup()
+    again = CheckpointManager(folder, model=model2, optimizer=opt2, extra_state={"sched": sched2}, config=cfg)
+    assert again.restore() == 5
+    again.close()
+    assert state_digest(model2, opt2) == state_digest(model, opt)
