@@ -115,14 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             args.save_folder, model=model, optimizer=opt, extra_state={"sched": sched}, config=config
         ) as mgr:
             step = start = mgr.restore()  # newest good checkpoint; 0 on a fresh start
-            if step < args.steps:
-                for batch in mgr.data(loader):  # continues the data position after a resume
-                    train_step(model, opt, sched, batch)
-                    step += 1
-                    mgr.save_if_due(step)
-                    crash_if(args, step)
-                    if step == args.steps:
-                        break
+            # Continues the data position after a resume; ends at --steps without drawing more.
+            for batch in mgr.data(loader, max_steps=args.steps):
+                train_step(model, opt, sched, batch)
+                step += 1
+                mgr.save_if_due(step)
+                crash_if(args, step)
             # Leaving the block saves the last step (if not saved yet) and waits for the writer.
 
     digest = state_digest(model, opt)

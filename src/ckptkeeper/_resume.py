@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import random
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,15 +158,27 @@ class DataPosition:
         self.loader_state = data.get("loader")
         self.resume_rng = rng
 
-    def batches(self, loader: Iterable[Any], epochs: int | None = None) -> Iterator[Any]:
-        """Batches from the stored position on, epoch after epoch (``epochs``: stop after that many in all)."""
-        while epochs is None or self.epoch < epochs:
+    def batches(
+        self, loader: Iterable[Any], epochs: int | None = None, done: Callable[[], bool] | None = None
+    ) -> Iterator[Any]:
+        """Batches from the stored position on, epoch after epoch (``epochs``: stop after that many in all).
+
+        ``done`` is asked before each batch is fetched: once it says so, iteration ends without
+        drawing another batch (which would move the data position and the RNG streams).
+        """
+        while (epochs is None or self.epoch < epochs) and not (done is not None and done()):
             it = self._open(loader)
             got = 0
-            for batch in it:
+            while not (done is not None and done()):
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
                 got += 1
                 self.batch_in_epoch += 1
                 yield batch
+            else:
+                return
             if got == 0 and self.batch_in_epoch == 0:
                 raise ConfigurationError("the data loader yields no batches")
             self.epoch += 1

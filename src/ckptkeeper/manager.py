@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from torch import nn
 from torch.optim import Optimizer
@@ -62,6 +62,8 @@ __all__ = ["CheckpointEvent", "CheckpointManager", "JsonStateful"]
 
 log = logging.getLogger("ckptkeeper.manager")
 
+_T = TypeVar("_T")
+
 
 class JsonStateful(Protocol):
     """State kept as JSON in the trainer state: ``state_dict()`` returns a JSON-able dict (or None)."""
@@ -94,12 +96,10 @@ class CheckpointManager:
         mgr = CheckpointManager("runs/a", model=model, optimizer=opt, extra_state={"sched": sched},
                                 config=CheckpointPolicyConfig(save_interval=1000, ephemeral_save_interval=100))
         step = mgr.restore()              # newest good checkpoint, else 0
-        for batch in mgr.data(loader):    # optional: continues the data position
+        for batch in mgr.data(loader, max_steps=max_steps):   # continues the data position
             ...                           # one update
             step += 1
             mgr.save_if_due(step)
-            if step == max_steps:
-                break
         mgr.close()                       # final save, waits for the writer, releases the folder
 
     Args:
@@ -370,6 +370,35 @@ class CheckpointManager:
         set_rng_state(ts["rng"])
 
     def _resume(self) -> bool:
+        return self._first_good(self.load, "start from") is not None
+
+    def pick(self) -> tuple[str, dict[str, Any]] | None:
+        """The checkpoint :meth:`restore` would load, and its trainer state, without loading it.
+
+        The same choice and fallback rules (newest first; corrupt ones skipped; all corrupt:
+        CorruptCheckpointError unless ``start_fresh_if_unloadable``; else ``load_path``), with a
+        full checksum verification of every file as the test instead of a load. For frameworks
+        that read the trainer state before their model and optimizer exist; None: nothing to load.
+        """
+        from .engine.reader import read_train_state
+
+        def verified(path: str) -> dict[str, Any]:
+            self.checkpointer.verify(path, checksums=True)
+            ts = read_train_state(path).get("train_state", {})
+            try:
+                check_train_state(from_olmo_core(ts), list(self.json_state))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptCheckpointError(f"checkpoint {path}: its trainer state cannot be used ({exc})") from None
+            return dict(from_olmo_core(ts))
+
+        return self._first_good(verified, "pick")
+
+    def _first_good(self, attempt: Callable[[str], _T], doing: str) -> tuple[str, _T] | None:
+        """Try ``attempt`` on the folder's checkpoints, newest first, then on ``load_path``.
+
+        The one place the fallback rules live (:meth:`restore` loads, :meth:`pick` verifies).
+        """
+
         def survey() -> tuple[list[str], list[tuple[str, str]]]:
             # Complete checkpoints, newest first; and the ones that claim to be checkpoints (they
             # have a commit record) but are broken. Folders without a record are not ours.
@@ -385,8 +414,7 @@ class CheckpointManager:
         candidates, failures = D.on_rank0(survey)
         for path in candidates:
             try:
-                self.load(path)
-                return True
+                return path, attempt(path)
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 log.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
                 failures.append((path, str(exc)))
@@ -404,38 +432,43 @@ class CheckpointManager:
                 listing,
                 self.load_path or "scratch",
             )
-        if self.load_path is not None:
-            load_path = self.load_path
+        if self.load_path is None:
+            return None
+        load_path = self.load_path
 
-            # Only rank 0 lists (object stores bill and throttle listings); the others take its answer.
-            def resolve() -> str | None:
-                if self.checkpointer.dir_is_checkpoint(load_path):
-                    return load_path
-                return self.checkpointer.latest_checkpoint(load_path)
+        # Only rank 0 lists (object stores bill and throttle listings); the others take its answer.
+        def resolve() -> str | None:
+            if self.checkpointer.dir_is_checkpoint(load_path):
+                return load_path
+            return self.checkpointer.latest_checkpoint(load_path)
 
-            resolved = D.on_rank0(resolve)
-            if resolved is None:
-                raise CheckpointNotFoundError(
-                    f"load_path {load_path} holds no complete checkpoint; pass a step folder or a save "
-                    "folder that `ckptkeeper ls` shows as complete"
-                )
-            self.load(resolved)
-            return True
-        return False
+        resolved = D.on_rank0(resolve)
+        if resolved is None:
+            raise CheckpointNotFoundError(
+                f"load_path {load_path} holds no complete checkpoint; pass a step folder or a save "
+                "folder that `ckptkeeper ls` shows as complete"
+            )
+        # Asked for explicitly: a corrupt load_path raises, there is nothing to fall back to.
+        return resolved, attempt(resolved)
 
     # ------------------------------------------------------------------ data
 
-    def data(self, loader: Iterable[Any], *, epochs: int | None = None) -> Iterator[Any]:
+    def data(self, loader: Iterable[Any], *, max_steps: int | None = None, epochs: int | None = None) -> Iterator[Any]:
         """Batches of ``loader`` from the restored position on, epoch after epoch.
 
         After a resume the consumed batches of the current epoch are skipped (a plain
         ``DataLoader``'s shuffle is replayed from the RNG state the epoch began with), so the run
         sees exactly the batches an uninterrupted run would. The position goes into every
-        checkpoint. ``epochs``: stop at the end of that many epochs in all (restored ones count);
-        ``None`` keeps going: break out of the loop when training is done.
+        checkpoint. ``max_steps``: stop once :attr:`step` (what you pass to :meth:`save_if_due`)
+        reaches it, before another batch is drawn; a resumed run that is already there gets no
+        batch at all. ``epochs``: stop at the end of that many epochs in all (restored ones count).
+        With neither, it keeps going: break out of the loop when training is done.
         """
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0):
+            raise ConfigurationError(f"'max_steps' must be a whole number >= 0, got {max_steps!r}")
         self._loader = loader
-        return self._position.batches(loader, epochs)
+        done = None if max_steps is None else (lambda: self.step >= max_steps)
+        return self._position.batches(loader, epochs, done)
 
     # ------------------------------------------------------------------ saving
 

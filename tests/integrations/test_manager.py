@@ -57,16 +57,13 @@ def _run(
     cfg = config or CheckpointPolicyConfig(save_interval=6, ephemeral_save_interval=2, save_async=False)
     mgr = CheckpointManager(folder, model=model, optimizer=opt, extra_state={"sched": sched}, config=cfg, **kw)
     step = start = mgr.restore()
-    if step < steps:
-        for batch in mgr.data(loader):
-            _step(model, opt, sched, batch)
-            step += 1
-            mgr.save_if_due(step, metrics=metrics(step) if metrics else None)
-            if step == stop_at:
-                mgr.close(final_save=False)  # a crash: nothing more is saved
-                return mgr, state_digest(model, opt), start
-            if step == steps:
-                break
+    for batch in mgr.data(loader, max_steps=steps):
+        _step(model, opt, sched, batch)
+        step += 1
+        mgr.save_if_due(step, metrics=metrics(step) if metrics else None)
+        if step == stop_at:
+            mgr.close(final_save=False)  # a crash: nothing more is saved
+            return mgr, state_digest(model, opt), start
     mgr.close()
     return mgr, state_digest(model, opt), start
 
@@ -229,3 +226,18 @@ def test_sigterm_saves_once_and_exits_cleanly(tmp_path: Path, during_async_save:
     assert again.restore() == 5
     again.close()
     assert state_digest(model2, opt2) == state_digest(model, opt)
+
+
+def test_data_ends_at_max_steps_without_drawing_a_batch(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    _run(folder, 6)
+    model, opt, sched, loader = _setup()
+    mgr = CheckpointManager(folder, model=model, optimizer=opt, extra_state={"sched": sched})
+    assert mgr.restore() == 6
+    rng = torch.get_rng_state()
+    assert list(mgr.data(loader, max_steps=6)) == []  # already there: no batch, no shuffle drawn
+    assert torch.equal(torch.get_rng_state(), rng)
+    mgr.close()
+    assert max(_steps_on_disk(folder)) == 6
+    with pytest.raises(ConfigurationError, match="max_steps"):
+        mgr.data(loader, max_steps=-1)
