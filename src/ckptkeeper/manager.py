@@ -873,6 +873,4 @@ class CheckpointManager:
 def _training_state(
     model: nn.Module, optimizer: Optimizer | None, extra: Mapping[str, Stateful] | None, strict: bool
 ) -> TrainingState:
-    if strict:
-        return TrainingState(model, optimizer, extra)
-    return TrainingState(model, optimizer, extra, strict=False)  # type: ignore[call-arg]
+    return TrainingState(model, optimizer, extra, strict=strict)

@@ -241,3 +241,26 @@ def test_data_ends_at_max_steps_without_drawing_a_batch(tmp_path: Path) -> None:
     assert max(_steps_on_disk(folder)) == 6
     with pytest.raises(ConfigurationError, match="max_steps"):
         mgr.data(loader, max_steps=-1)
+
+
+def test_a_model_that_grew_resumes_with_strict_false_and_says_what_it_left_out(tmp_path: Path) -> None:
+    from ckptkeeper import CheckpointMismatchError
+
+    folder = str(tmp_path / "run")
+    _run(folder, 4)
+    model, opt, sched, _ = _setup()
+    grown = nn.Sequential(*model, nn.Linear(2, 2))
+    strict = CheckpointManager(folder, model=grown, optimizer=torch.optim.AdamW(grown.parameters()))
+    with pytest.raises(CheckpointMismatchError, match="strict=False"):
+        strict.restore()
+    mgr = CheckpointManager(folder, model=grown, optimizer=torch.optim.AdamW(grown.parameters()), strict=False)
+    assert mgr.restore() == 4
+    report = mgr.load_report
+    assert report is not None and sorted(report.missing_keys) == ["model.3.bias", "model.3.weight"]
+    assert report.unexpected_keys == [] and report.mismatched_keys == []  # the saved scheduler was not asked for
+    mgr.close(final_save=False)
+    ref, ref_opt, _, _ = _setup()
+    with CheckpointManager(folder, model=ref, optimizer=ref_opt, take_lease=False) as same:
+        same.restore()
+    assert torch.equal(grown[0].weight, ref[0].weight) and torch.equal(grown[2].bias, ref[2].bias)
+    assert not torch.equal(grown[0].weight, _setup()[0][0].weight)  # step 4's weights, not a fresh init

@@ -101,7 +101,9 @@ class Trainer:
     checkpoint in ``save_folder`` that loads (falling back past corrupt ones), or else from
     ``load_path`` when given. When the save folder holds checkpoints and none of them loads, it
     raises :class:`~ckptkeeper.CorruptCheckpointError` listing each one and why, unless
-    ``start_fresh_if_unloadable`` says to train from scratch over them. Without a
+    ``start_fresh_if_unloadable`` says to train from scratch over them. ``strict=False`` resumes
+    from a checkpoint that does not fully fit (a layer or a scheduler added since) and lists what
+    was left out in ``trainer.manager.load_report``. Without a
     :class:`~ckptkeeper.CheckpointerCallback` in ``callbacks`` one with default settings is added,
     as in OLMo-core. All of this is done by :attr:`manager`, a :class:`~ckptkeeper.CheckpointManager`
     configured from the checkpointer callback.
@@ -124,6 +126,7 @@ class Trainer:
         add_default_checkpointer: bool = True,
         start_fresh_if_unloadable: bool = False,
         take_lease: bool = True,
+        strict: bool = True,
     ) -> None:
         if max_steps < 0:
             raise ConfigurationError(f"'max_steps' must be at least 0, got {max_steps}")
@@ -158,6 +161,7 @@ class Trainer:
             checkpointer=checkpointer,
             start_fresh_if_unloadable=start_fresh_if_unloadable,
             take_lease=take_lease,
+            strict=strict,
         )
         self.manager.on_saved.append(self._notify_saved)
         self.manager.on_loaded.append(self._notify_loaded)
