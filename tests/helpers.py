@@ -125,3 +125,26 @@ def small_state(seed: int = 0) -> TrainingState:
     model(torch.randn(5, 4)).sum().backward()
     opt.step()
     return TrainingState(model, opt)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str) -> Any:
+    """``examples/NAME.py`` as a module, under another name (``lightning`` would shadow the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"ckptkeeper_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def example_report(name: str, tmp: Path, label: str, *flags: str) -> dict[str, Any]:
+    """Run ``examples/NAME.py`` in this process with ``flags`` and return its ``--report``."""
+    import json
+
+    report = tmp / f"{label}.json"
+    assert load_example(name).main([*flags, "--report", str(report)]) == 0
+    return dict(json.loads(report.read_text()))

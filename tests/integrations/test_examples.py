@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "plain_loop.py"
+from ..helpers import EXAMPLES, example_report
 
-
-def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plain_loop_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+EXAMPLE = EXAMPLES / "plain_loop.py"
 
 
 def _report(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
     """Run the example in this process (the runs that end normally) and read its report."""
-    report = tmp_path / f"{name}.json"
-    assert _module().main([*args, "--report", str(report)]) == 0
-    return json.loads(report.read_text())  # type: ignore[no-any-return]
+    return example_report("plain_loop", tmp_path, name, *args)
 
 
 def test_crash_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,22 +20,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 from ckptkeeper import ConfigurationError
 from ckptkeeper.hf import CkptkeeperTrainer
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+from ..helpers import EXAMPLES, example_report
 
-
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ckptkeeper_example_hf_trainer", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+EXAMPLE = EXAMPLES / "hf_trainer.py"
 
 
 def _run(tmp: Path, name: str, *flags: str) -> dict[str, Any]:
-    report = tmp / f"{name}.json"
-    assert _example().main([*flags, "--report", str(report)]) == 0
-    return dict(json.loads(report.read_text()))
+    return example_report("hf_trainer", tmp, name, *flags)
 
 
 def test_crash_then_resume_in_another_process_matches_uninterrupted_and_plain_trainer(tmp_path: Path) -> None:
