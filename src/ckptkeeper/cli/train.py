@@ -6,13 +6,14 @@ Only the command line lives here (cheap to import); the training itself is in ``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
 
-from ..policy.config import RemovalStrategy
+from ..policy.config import CheckpointPolicyConfig, RemovalStrategy
 
-__all__ = ["CRASH_EXIT_CODE", "add_parser", "int_in_range", "run"]
+__all__ = ["CRASH_EXIT_CODE", "add_parser", "add_policy_arguments", "int_in_range", "policy_settings", "run"]
 
 CRASH_EXIT_CODE = 75
 MAX_SEED = 2**31 - 1  # numpy's seeds stop at 2**32 - 1, and each rank reseeds with seed + 1000 * rank
@@ -78,24 +79,44 @@ def _report_path(text: str) -> str:
     return text
 
 
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """One option per :class:`~ckptkeeper.CheckpointPolicyConfig` field that has a ``cli`` kind.
+
+    Generated from the config's fields (and their defaults and help), so a new setting reaches the
+    command line without being listed again.
+    """
+    for f in dataclasses.fields(CheckpointPolicyConfig):
+        kind, text = f.metadata.get("cli"), f.metadata.get("help", "")
+        if kind is None:
+            continue
+        opt = "--" + f.name.replace("_", "-")
+        if kind == "interval":
+            p.add_argument(opt, type=_interval, default=f.default, metavar="K|none", help=text)
+        elif kind == "steps":
+            p.add_argument(opt, type=_steps_list, default=f.default, metavar="A,B", help=text)
+        elif kind == "tri":
+            p.add_argument(opt, type=_tri, default=f.default, metavar="auto|true|false", help=text)
+        elif kind == "choice":
+            choices = [s.value for s in RemovalStrategy]
+            p.add_argument(opt, default=str(f.default), choices=choices, help=text)
+        elif kind == "flag":
+            p.add_argument(opt, dest=f.name, action="store_true", default=f.default, help=text)
+            p.add_argument("--no-" + opt[2:], dest=f.name, action="store_false", help=f"the opposite of {opt}")
+        else:  # pragma: no cover - a new kind in the config without a parser here
+            raise AssertionError(f"no command-line form for {f.name} ({kind})")
+
+
+def policy_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields :func:`add_policy_arguments` offered, as parsed."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(CheckpointPolicyConfig) if f.metadata.get("cli")}
+
+
 def add_parser(sub: Any) -> None:
     """Register the ``train`` sub-command."""
     p = sub.add_parser("train", help="train the built-in model with checkpointing (rehearse crashes and resumes)")
     p.add_argument("--save-folder", required=True, help="path or URL of the save folder")
     p.add_argument("--steps", type=int_in_range(0), required=True, help="train until this global step")
-    p.add_argument("--save-interval", type=_interval, default=250, help="permanent checkpoint interval, or none")
-    p.add_argument("--ephemeral-save-interval", type=_interval, default=None, help="ephemeral interval, or none")
-    p.add_argument("--ephemeral-cooldown", type=_interval, default=None, help="steps between a save and an ephemeral")
-    p.add_argument("--fixed-steps", type=_steps_list, default=None, help="extra permanent steps, e.g. 3,7,12")
-    p.add_argument(
-        "--remove",
-        default=RemovalStrategy.ephemeral_only.value,
-        choices=[s.value for s in RemovalStrategy],
-        help="which checkpoints of earlier runs may be removed",
-    )
-    p.add_argument("--pre-train-checkpoint", type=_tri, default=None, help="auto | true | false")
-    p.add_argument("--save-async", dest="save_async", action="store_true", default=None)
-    p.add_argument("--no-save-async", dest="save_async", action="store_false")
+    add_policy_arguments(p)
     p.add_argument("--crash-at-step", type=int_in_range(1), default=None, help="exit abruptly right after this step")
     p.add_argument("--seed", type=int_in_range(0, MAX_SEED), default=0, help="seed of the model, data and RNGs")
     p.add_argument("--hidden", type=int_in_range(1), default=64, help="width of the built-in model")

@@ -12,7 +12,7 @@ from .. import distributed as D
 from ..engine import Checkpointer, state_digest
 from ..errors import ConfigurationError
 from ..integrations import Callback, CheckpointerCallback, Trainer, build_builtin
-from .train import CRASH_EXIT_CODE
+from .train import CRASH_EXIT_CODE, policy_settings
 
 __all__ = ["run"]
 
@@ -40,15 +40,7 @@ class _CrashAt(Callback):
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper train``; returns the exit code."""
     try:
-        cb = CheckpointerCallback(
-            save_interval=args.save_interval,
-            ephemeral_save_interval=args.ephemeral_save_interval,
-            pre_train_checkpoint=args.pre_train_checkpoint,
-            save_async=args.save_async,
-            remove=args.remove,
-            ephemeral_cooldown=args.ephemeral_cooldown,
-            fixed_steps=args.fixed_steps,
-        )
+        cb = CheckpointerCallback(**policy_settings(args))
     except ConfigurationError as exc:
         print(f"ckptkeeper train: error: invalid setting: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from ..manager import CheckpointEvent, CheckpointManager
 from ..policy import CheckpointPolicyConfig, RemovalStrategy
-from .trainer import Callback
+from .callback import Callback
 
 __all__ = ["CheckpointEvent", "CheckpointerCallback"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +20,8 @@ from ..engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, Traini
 from ..errors import ConfigurationError
 from ..manager import CheckpointManager
 from ..policy import CheckpointPolicyConfig
+from .callback import Callback
+from .checkpointer_callback import CheckpointerCallback
 
 __all__ = ["Callback", "TrainStep", "Trainer"]
 
@@ -27,46 +29,6 @@ log = logging.getLogger(__name__)
 
 TrainStep = Callable[["Trainer", Any], "float | torch.Tensor"]
 """A user train step: takes the trainer and one batch, does one update, returns the loss."""
-
-
-class Callback:
-    """Base class of trainer callbacks; override the hooks you need. Higher ``priority`` runs first."""
-
-    priority: ClassVar[int] = 0
-    trainer: Trainer
-
-    @property
-    def step(self) -> int:
-        """The trainer's global step (number of updates done)."""
-        return self.trainer.global_step
-
-    def pre_train(self) -> None:
-        """Before the first step (after any checkpoint was loaded)."""
-
-    def post_train_batch(self) -> None:
-        """After each step; ``self.step`` already counts it."""
-
-    def post_train(self) -> None:
-        """After the last step of a run that finished normally."""
-
-    def on_error(self, exc: BaseException) -> None:
-        """When training raised; the exception is re-raised afterwards."""
-
-    def close(self) -> None:
-        """Always, last, whether training finished or failed."""
-
-    def post_checkpoint_saved(self, path: str, result: SaveResult) -> None:
-        """After a checkpoint is durable (for async saves: once the background write finished)."""
-
-    def post_checkpoint_loaded(self, path: str) -> None:
-        """After a checkpoint was loaded at start-up."""
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """JSON-able state to keep in checkpoints (None: nothing)."""
-        return None
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
 
 
 def _default_step(trainer: Trainer, batch: Any) -> torch.Tensor:
@@ -141,8 +103,6 @@ class Trainer:
         self.train_step: TrainStep = train_step or _default_step
         self.block_ephemeral_checkpoints = False
         self.losses: dict[int, float] = {}
-
-        from .checkpointer_callback import CheckpointerCallback
 
         cbs = list(callbacks)
         if add_default_checkpointer and not any(isinstance(c, CheckpointerCallback) for c in cbs):

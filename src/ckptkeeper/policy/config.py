@@ -1,11 +1,13 @@
 """Checkpointing knobs: the validated, frozen configuration the policy decides from.
 
 Each field mirrors the specification's callback setting of the same name, with the same default.
+Each field's ``metadata`` says how ``ckptkeeper train`` offers it (``cli``) and with what help text,
+so the command line, the callback and the manager take their settings from this one list.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ..errors import ConfigurationError
@@ -39,27 +41,42 @@ def _positive_or_none(name: str, value: int | None) -> None:
 class CheckpointPolicyConfig:
     """When to save and what to remove. Validated on construction (raises :class:`ConfigurationError`)."""
 
-    save_interval: int | None = 250
+    save_interval: int | None = field(
+        default=250, metadata={"cli": "interval", "help": "permanent checkpoint interval in steps, or none"}
+    )
     """Steps between permanent checkpoints; ``None`` turns interval saves off."""
 
-    ephemeral_save_interval: int | None = None
+    ephemeral_save_interval: int | None = field(
+        default=None, metadata={"cli": "interval", "help": "ephemeral checkpoint interval in steps, or none"}
+    )
     """Steps between ephemeral checkpoints, each removed once a newer ephemeral one is saved.
     Must be smaller than ``save_interval``."""
 
-    pre_train_checkpoint: bool | None = None
+    pre_train_checkpoint: bool | None = field(
+        default=None, metadata={"cli": "tri", "help": "save at step 0: auto (fresh starts only), true or false"}
+    )
     """Save at step 0 before training. ``None``: only when the run did not resume from a checkpoint."""
 
-    save_async: bool | None = None
+    save_async: bool | None = field(
+        default=None, metadata={"cli": "flag", "help": "write checkpoints in the background (default: where possible)"}
+    )
     """Write checkpoints in the background. ``None``: on when the process-group backend can run on CPU
     (always, for a single process)."""
 
-    remove: RemovalStrategy = RemovalStrategy.ephemeral_only
+    remove: RemovalStrategy = field(
+        default=RemovalStrategy.ephemeral_only,
+        metadata={"cli": "choice", "help": "which checkpoints of earlier runs may be removed"},
+    )
     """Which checkpoints left by earlier runs are removed once the next ephemeral checkpoint is saved."""
 
-    ephemeral_cooldown: int | None = None
+    ephemeral_cooldown: int | None = field(
+        default=None, metadata={"cli": "interval", "help": "steps after any save before an ephemeral one, or none"}
+    )
     """Steps that must pass after any save before an ephemeral checkpoint is saved again."""
 
-    fixed_steps: tuple[int, ...] | None = None
+    fixed_steps: tuple[int, ...] | None = field(
+        default=None, metadata={"cli": "steps", "help": "extra permanent steps, e.g. 3,7,12"}
+    )
     """Extra steps at which permanent checkpoints are saved."""
 
     enabled: bool = True
