@@ -6,7 +6,7 @@ from torch import nn
 
 from ckptkeeper import CheckpointerCallback, Trainer
 
-from .workers import FaultyCheckpointer, _batches, _sharded
+from .workers import _batches, _sharded, faulty_checkpointer
 
 
 def train_while_one_rank_dies(rank: int, folder: str, dead_rank: int) -> str:
@@ -15,6 +15,6 @@ def train_while_one_rank_dies(rank: int, folder: str, dead_rank: int) -> str:
     cb = CheckpointerCallback(save_interval=4, save_async=False)
     Trainer(
         model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
-        max_steps=9, callbacks=[cb], checkpointer=FaultyCheckpointer(rank=dead_rank, step=4, vanish=True),
+        max_steps=9, callbacks=[cb], checkpointer=faulty_checkpointer(rank=dead_rank, step=4, vanish=True),
     ).fit()  # fmt: skip
     return "finished"

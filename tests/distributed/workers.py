@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ckptkeeper import Checkpointer, CheckpointerCallback, Trainer, TrainingState, state_digest
-from ckptkeeper.engine.record import FileEntry
+from ckptkeeper.engine import SaveStage
 
 
 class RecordingCheckpointer(Checkpointer):
@@ -24,21 +24,16 @@ class RecordingCheckpointer(Checkpointer):
         super().remove(path, run_in_background)
 
 
-class FaultyCheckpointer(Checkpointer):
-    """On one rank, at one step, mid-save (while hashing its own files): fails, or vanishes."""
+def faulty_checkpointer(rank: int, step: int, vanish: bool = False) -> Checkpointer:
+    """On one rank, at one step, mid-save (when its trainer state is written): fails, or vanishes."""
 
-    def __init__(self, rank: int, step: int, vanish: bool = False) -> None:
-        super().__init__()
-        self.fault_rank, self.fault_step, self.vanish = rank, step, vanish
-
-    def _hash_own_files(
-        self, local_work: str, rank: int, world: int, skip: set[str] | None = None
-    ) -> dict[str, FileEntry]:
-        if rank == self.fault_rank and f"step{self.fault_step}-" in os.path.basename(local_work):
-            if self.vanish:
+    def fault(stage: SaveStage) -> None:
+        if stage.name == "writing trainer state" and stage.rank == rank and stage.step == step:
+            if vanish:
                 os._exit(9)
-            raise OSError(5, "Input/output error", os.path.join(local_work, "model_and_optim", f"__{rank}_0.distcp"))
-        return super()._hash_own_files(local_work, rank, world, skip)
+            raise OSError(5, "Input/output error", os.path.join(stage.work, "model_and_optim", f"__{rank}_0.distcp"))
+
+    return Checkpointer(on_stage=fault)
 
 
 def _sharded(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -74,7 +69,7 @@ def train_with_a_failing_rank(rank: int, folder: str, save_async: bool) -> str:
     cb = CheckpointerCallback(save_interval=4, save_async=save_async)
     Trainer(
         model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
-        max_steps=9, callbacks=[cb], checkpointer=FaultyCheckpointer(rank=1, step=4),
+        max_steps=9, callbacks=[cb], checkpointer=faulty_checkpointer(rank=1, step=4),
     ).fit()  # fmt: skip
     return "finished"
 
@@ -127,6 +122,6 @@ def train_while_a_rank_dies(rank: int, folder: str) -> str:
     cb = CheckpointerCallback(save_interval=4, save_async=False)
     Trainer(
         model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
-        max_steps=9, callbacks=[cb], checkpointer=FaultyCheckpointer(rank=1, step=4, vanish=True),
+        max_steps=9, callbacks=[cb], checkpointer=faulty_checkpointer(rank=1, step=4, vanish=True),
     ).fit()  # fmt: skip
     return "finished"

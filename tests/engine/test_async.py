@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from ckptkeeper import Checkpointer, CheckpointerCallback, CheckpointSaveError, TrainingState, state_digest
+from ckptkeeper.engine import SaveStage
 
 from ..helpers import tiny_trainer
 
@@ -51,22 +52,19 @@ def test_state_changed_after_the_call_does_not_leak_in(tmp_path: Path) -> None:
     ckpt.close()
 
 
-class FailingAt(Checkpointer):
-    """Its tensor write fails with an I/O error at one step."""
+def failing_at(step: int) -> Checkpointer:
+    """A checkpointer whose tensor write fails with an I/O error at one step (through the public seam)."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.fail_step = step
+    def fault(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == step:
+            raise OSError(errno.EIO, "Input/output error", os.path.join(stage.work, "model_and_optim", "__0_0.distcp"))
 
-    def _write_tensors(self, model_dir: str, tensors: Any, world: int) -> Any:
-        if f"step{self.fail_step}-" in model_dir:
-            raise OSError(errno.EIO, "Input/output error", os.path.join(model_dir, "__0_0.distcp"))
-        return super()._write_tensors(model_dir, tensors, world)
+    return Checkpointer(on_stage=fault)
 
 
 def test_background_failure_surfaces_with_step_and_file(tmp_path: Path) -> None:
     cb = CheckpointerCallback(save_interval=4, save_async=True)
-    trainer = tiny_trainer(str(tmp_path), cb, steps=10, checkpointer=FailingAt(4))
+    trainer = tiny_trainer(str(tmp_path), cb, steps=10, checkpointer=failing_at(4))
     with pytest.raises(CheckpointSaveError) as info:
         trainer.fit()
     msg = str(info.value)
@@ -82,21 +80,20 @@ def test_at_most_one_save_in_flight(tmp_path: Path) -> None:
     release = threading.Event()
     lock = threading.Lock()
 
-    class Slow(Checkpointer):
-        def _write_tensors(self, model_dir: str, tensors: Any, world: int) -> Any:
+    def hold_each_write(stage: SaveStage) -> None:
+        # Counts saves between their tensor write and their trainer-state write.
+        if stage.name == "writing tensors":
             with lock:
                 active["n"] += 1
                 active["max"] = max(active["max"], active["n"])
                 log.append("start")
             release.wait(timeout=30)
-            try:
-                return super()._write_tensors(model_dir, tensors, world)
-            finally:
-                with lock:
-                    active["n"] -= 1
-                    log.append("end")
+        elif stage.name == "writing trainer state":
+            with lock:
+                active["n"] -= 1
+                log.append("end")
 
-    ckpt = Slow()
+    ckpt = Checkpointer(on_stage=hold_each_write)
     st = _state()
     _, first = ckpt.save_async(str(tmp_path), 1, st)
     assert ckpt.save_in_flight
@@ -160,3 +157,31 @@ def test_save_result_metrics_reach_post_checkpoint_saved(tmp_path: Path) -> None
     assert [r.step for r in seen] == [0, 3, 6, 7]
     for r in seen:
         assert r.bytes > 0 and r.durable_s >= r.blocked_s >= 0 and r.throughput > 0
+
+
+@pytest.mark.parametrize(
+    ("folder", "stages"),
+    [
+        ("local", ["preparing", "writing tensors", "writing trainer state", "publishing"]),
+        ("memory://stages", ["preparing", "writing tensors", "writing trainer state", "uploading", "publishing"]),
+    ],
+)
+def test_the_fault_seam_names_every_stage_and_a_fault_there_leaves_nothing_visible(
+    tmp_path: Path, folder: str, stages: list[str]
+) -> None:
+    where = str(tmp_path / "run") if folder == "local" else folder
+    seen: list[tuple[str, int]] = []
+    ckpt = Checkpointer(on_stage=lambda s: seen.append((s.name, s.step)))
+    ckpt.save(where, 1, _state())
+    assert seen == [(name, 1) for name in stages]
+    for failing in stages:
+
+        def fault(stage: SaveStage, failing: str = failing) -> None:
+            if stage.name == failing:
+                raise OSError(errno.EIO, "Input/output error", f"injected at {failing}")
+
+        ckpt.on_stage = fault
+        with pytest.raises(CheckpointSaveError, match=f"step 2.*injected at {failing}"):
+            ckpt.save(where, 2, _state())
+        assert [s for s, _ in ckpt.find_checkpoints(where)] == [1], failing
+    ckpt.close()

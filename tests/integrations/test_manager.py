@@ -22,7 +22,7 @@ from ckptkeeper import (
     RetentionRules,
     state_digest,
 )
-from ckptkeeper.engine import discovery
+from ckptkeeper.engine import SaveStage, discovery
 
 
 def _setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any, DataLoader[Any]]:
@@ -185,13 +185,11 @@ def test_retention_never_removes_the_newest(tmp_path: Path) -> None:
 
 
 def _slow_writes(mgr: CheckpointManager, seconds: float) -> None:
-    write = mgr.checkpointer._write
+    def slow(stage: SaveStage) -> None:
+        if stage.name == "writing tensors":
+            time.sleep(seconds)
 
-    def slow(*args: Any, **kw: Any) -> Any:
-        time.sleep(seconds)
-        return write(*args, **kw)
-
-    mgr.checkpointer._write = slow  # type: ignore[method-assign]
+    mgr.checkpointer.on_stage = slow
 
 
 @pytest.mark.parametrize("during_async_save", [False, True])

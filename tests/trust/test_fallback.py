@@ -90,16 +90,17 @@ def test_cli_resume_falls_back_past_a_planted_pickle_without_running_it(tmp_path
 
 def test_a_failed_async_save_is_reported_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from ckptkeeper import CheckpointSaveError
+    from ckptkeeper.engine import SaveStage
 
-    class Failing(Checkpointer):
-        def _write_tensors(self, *a, **k):  # type: ignore[no-untyped-def]
+    def fail(stage: SaveStage) -> None:
+        if stage.name == "writing tensors":
             raise OSError(5, "Input/output error", "simulated")
 
     t = tiny_trainer(
         str(tmp_path / "run"),
         CheckpointerCallback(save_interval=2, save_async=True, pre_train_checkpoint=False),
         6,
-        checkpointer=Failing(),
+        checkpointer=Checkpointer(on_stage=fail),
     )
     with caplog.at_level(logging.INFO), pytest.raises(CheckpointSaveError, match="step 2"):
         t.fit()

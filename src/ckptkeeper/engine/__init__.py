@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer, CheckpointInfo, SaveResult
+    from .checkpointer import Checkpointer, CheckpointInfo, SaveResult, SaveStage
     from .lease import SaveFolderLease
     from .record import CommitRecord, FileEntry
     from .staging import Stager
@@ -23,6 +23,7 @@ __all__ = [
     "FileEntry",
     "SaveFolderLease",
     "SaveResult",
+    "SaveStage",
     "Stager",
     "Stateful",
     "TrainingState",
@@ -33,6 +34,7 @@ _WHERE = {
     "CheckpointInfo": "discovery",
     "Checkpointer": "checkpointer",
     "SaveResult": "checkpointer",
+    "SaveStage": "checkpointer",
     "SaveFolderLease": "lease",
     "CommitRecord": "record",
     "FileEntry": "record",

@@ -72,7 +72,7 @@ from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .staging import Stager
 from .state import TrainingState, flatten_tensors
 
-__all__ = ["CheckpointInfo", "Checkpointer", "SaveResult"]
+__all__ = ["CheckpointInfo", "Checkpointer", "SaveResult", "SaveStage"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,27 @@ class SaveResult:
         return self.bytes / self.durable_s if self.durable_s > 0 else float("inf")
 
 
+@dataclass(frozen=True)
+class SaveStage:
+    """Where a save is, as told to ``Checkpointer(on_stage=...)``: the public fault-injection seam.
+
+    ``on_stage`` is called on every rank at the start of each stage, in the thread doing the save
+    (the background writer for async saves). Whatever it raises is handled exactly like an I/O
+    error at that point of the save (the checkpoint stays invisible, the error names the step);
+    it may also block or sleep to hold a save in flight. Stages, in order: ``"preparing"``,
+    ``"writing tensors"``, ``"writing trainer state"``, ``"uploading"`` (object stores only) and
+    ``"publishing"`` (rank 0 only).
+    """
+
+    name: str
+    step: int
+    rank: int
+    work: str
+    """The local folder the files are written to before the commit."""
+    final: str
+    """Where the checkpoint will be once committed."""
+
+
 @contextlib.contextmanager
 def _quiet_dcp() -> Iterator[None]:
     # DCP warns on every single-process call; the warning is about its own defaults, not ours.
@@ -129,6 +150,8 @@ class Checkpointer:
         staging_budget_bytes: host memory async staging may hold (``CKPTKEEPER_STAGING_BUDGET``); None: no cap.
         over_budget: when a snapshot would exceed the budget, ``"sync"`` saves synchronously instead and
             ``"error"`` raises ConfigurationError.
+        on_stage: called with a :class:`SaveStage` at the start of each stage of a save (tests inject
+            faults and delays here; see :class:`SaveStage`).
     """
 
     METADATA_FNAME = COMMIT_RECORD
@@ -145,6 +168,7 @@ class Checkpointer:
         writer: str = "auto",
         staging_budget_bytes: int | None = None,
         over_budget: str = "sync",
+        on_stage: Callable[[SaveStage], None] | None = None,
     ) -> None:
         if writer not in ("auto", "dcp"):
             raise ConfigurationError(f"'writer' must be 'auto' or 'dcp', got {writer!r}")
@@ -171,6 +195,7 @@ class Checkpointer:
         self.writer = writer
         self.staging_budget_bytes = staging_budget_bytes
         self.over_budget = over_budget
+        self.on_stage = on_stage
         self._stager = Stager()
         # Off only in the benchmark, to measure what the load's backup costs.
         self._rollback_loads = True
@@ -329,7 +354,12 @@ class Checkpointer:
         files: dict[str, FileEntry] = {}
         stage = "preparing"
 
+        def enter(name: str) -> None:
+            if self.on_stage is not None:
+                self.on_stage(SaveStage(name, step, rank, local_work, final))
+
         def prepare() -> None:
+            enter("preparing")
             with translate_os_error(local_work):
                 os.makedirs(os.path.join(local_work, MODEL_DIR), exist_ok=True)
             if rank == 0:
@@ -341,6 +371,7 @@ class Checkpointer:
         extra: dict[str, Any] = {"metrics": dict(metrics)} if metrics else {}
 
         def write_tensors() -> None:
+            enter("writing tensors")
             with translate_os_error(local_work):
                 out = self._write_tensors(os.path.join(local_work, MODEL_DIR), tensors, world)
             if out is not None:
@@ -349,15 +380,22 @@ class Checkpointer:
                 extra["layout"] = {f"{MODEL_DIR}/{DATA_FILE}": [seg.to_json() for seg in segments]}
 
         def finish_own_files() -> dict[str, FileEntry]:
+            enter("writing trainer state")
             with translate_os_error(local_work):
                 storage_for(local_work).write_bytes(os.path.join(local_work, train_state_name(rank)), payload)
             mine = self._hash_own_files(local_work, rank, world, skip=set(written))
             mine.update(written)
             if not storage.supports_rename:
+                enter("uploading")
                 # The intent goes first: whatever is uploaded under final is announced as ours.
                 write_intent(storage, final, rank, sorted(mine), token)
                 self._upload(storage, local_work, final, sorted(mine))
             return mine
+
+        def publish() -> None:
+            if rank == 0:
+                enter("publishing")
+                self._publish(storage, local_work, final, record)
 
         try:
             agree(prepare, step, pg)
@@ -368,7 +406,7 @@ class Checkpointer:
                 files.update(part)
             stage = "publishing"
             record = CommitRecord(step=step, ephemeral=ephemeral, world_size=world, files=files, extra=extra)
-            agree(lambda: self._publish(storage, local_work, final, record) if rank == 0 else None, step, pg)
+            agree(publish, step, pg)
         except (Exception, CheckpointException) as raw:
             exc = unwrap(raw)
             if isinstance(exc, CheckpointSaveError):
