@@ -185,3 +185,14 @@ def test_the_fault_seam_names_every_stage_and_a_fault_there_leaves_nothing_visib
             ckpt.save(where, 2, _state())
         assert [s for s, _ in ckpt.find_checkpoints(where)] == [1], failing
     ckpt.close()
+
+
+def test_the_commit_method_is_chosen_once_per_storage(tmp_path: Path) -> None:
+    from ckptkeeper.engine.commit import RecordLastCommit, RenameCommit, commit_method_for
+    from ckptkeeper.storage import storage_for
+
+    def remove(path: str) -> None:
+        raise AssertionError(path)
+
+    assert isinstance(commit_method_for(storage_for(str(tmp_path)), remove, None, 2), RenameCommit)
+    assert isinstance(commit_method_for(storage_for("memory://c"), remove, None, 2), RecordLastCommit)

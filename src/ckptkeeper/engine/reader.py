@@ -24,10 +24,12 @@ from ..storage import storage_for
 from ..storage.layout import MODEL_DIR, train_state_name
 from . import discovery
 from .agreement import unwrap
-from .checkpointer import Checkpointer, _quiet_dcp
+from .checkpointer import Checkpointer
 from .deleter import new_spool
+from .loading import download
 from .record import MAX_STATE_BYTES, CommitRecord, loads_bounded
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
+from .saving import quiet_dcp
 
 __all__ = ["read_dcp_metadata", "read_tensors", "read_train_state"]
 
@@ -82,7 +84,7 @@ def read_tensors(path: str, names: Iterable[str] | None = None) -> dict[str, tor
     try:
         if local is None:
             spool = new_spool(None, "read")
-            record: CommitRecord = Checkpointer()._download(storage, path, spool)
+            record: CommitRecord = download(Checkpointer(), storage, path, spool)
             local = spool
         else:
             record = discovery.verify(path, checksums=True, structure=False)
@@ -98,7 +100,7 @@ def read_tensors(path: str, names: Iterable[str] | None = None) -> dict[str, tor
             olmo_core=isinstance(record, discovery.OlmoCoreRecord),
         )
         try:
-            with _quiet_dcp():
+            with quiet_dcp():
                 dcp_load(dest, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         except (Exception, CheckpointException) as raw:
             inner = unwrap(raw)

@@ -1,0 +1,186 @@
+"""How a written checkpoint becomes visible all at once: one commit method per kind of storage.
+
+Every save writes its files into a work folder first and makes them visible in one step at the
+end, so a reader sees a checkpoint complete or not at all. How depends on the storage, chosen
+once per save by :func:`commit_method_for`:
+
+* :class:`RenameCommit` (local and shared filesystems): all ranks write into one hidden
+  ``.tmp-step{N}-<id>`` folder inside the save folder; rank 0 writes the commit record into it
+  and renames the folder into place.
+* :class:`RecordLastCommit` (object stores, no rename): each rank writes into a local spool and
+  uploads its own files after announcing them in an upload intent; rank 0 creates the commit
+  record last, create-only. Data objects without a record are invisible to readers, and the
+  intents let the next run clean them up.
+
+Both refuse to replace anything ckptkeeper cannot prove it wrote (:func:`clear_target`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from ..errors import CheckpointSaveError
+from ..storage import Storage
+from ..storage.layout import COMMIT_RECORD, scratch_name
+from .deleter import clean_leftover, local_record_is_ours, new_spool, read_intents, record_is_ours, write_intent
+from .record import CommitRecord
+
+__all__ = ["CommitMethod", "RecordLastCommit", "RenameCommit", "clear_target", "commit_method_for"]
+
+Remove = Callable[[str], None]
+
+
+class CommitMethod(Protocol):
+    """The steps of a save that depend on how the storage makes files visible."""
+
+    storage: Storage
+
+    def work_folder(self, save_folder: str, step: int, token: str) -> str:
+        """Where this rank writes the checkpoint's files before the commit (a local path)."""
+        ...
+
+    def prepare(self, final: str) -> None:
+        """Rank 0, before anything is written: make sure ``final`` may be taken."""
+        ...
+
+    def after_files(self, work: str, final: str, rank: int, names: Sequence[str], token: str) -> None:
+        """Each rank, once its own files are written and hashed."""
+        ...
+
+    def publish(self, work: str, final: str, record: CommitRecord) -> None:
+        """Rank 0, once every rank's files are in place: make the checkpoint visible."""
+        ...
+
+    def finish(self, work: str) -> None:
+        """Each rank, always, after the save (succeeded or not)."""
+        ...
+
+    def discard(self, work: str, final: str | None) -> None:
+        """After a failed save: remove what it wrote (``final`` given on rank 0 past preparing)."""
+        ...
+
+
+class RenameCommit:
+    """Commit by renaming a finished hidden folder into place (local and shared filesystems)."""
+
+    def __init__(self, storage: Storage, remove: Remove) -> None:
+        self.storage = storage
+        self._remove = remove
+
+    def work_folder(self, save_folder: str, step: int, token: str) -> str:
+        path = self.storage.join(save_folder, scratch_name("tmp", step, token))
+        return self.storage.local_path(path) or path
+
+    def prepare(self, final: str) -> None:
+        # The old checkpoint of this step (if any) stays until the new one is in place.
+        clear_target(self.storage, final, self._remove, check_only=True)
+
+    def after_files(self, work: str, final: str, rank: int, names: Sequence[str], token: str) -> None:
+        pass
+
+    def publish(self, work: str, final: str, record: CommitRecord) -> None:
+        self.storage.write_bytes(os.path.join(work, COMMIT_RECORD), record.to_json())
+        clear_target(self.storage, final, self._remove)
+        self.storage.rename_dir(work, final)
+
+    def finish(self, work: str) -> None:
+        pass  # the rename consumed the work folder; a failed save's is removed by discard
+
+    def discard(self, work: str, final: str | None) -> None:
+        with contextlib.suppress(Exception):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+class RecordLastCommit:
+    """Commit by creating the commit record last, create-only (object stores)."""
+
+    def __init__(self, storage: Storage, remove: Remove, spool_dir: str | None, upload_threads: int) -> None:
+        self.storage = storage
+        self._remove = remove
+        self._spool_dir = spool_dir
+        self._upload_threads = upload_threads
+
+    def work_folder(self, save_folder: str, step: int, token: str) -> str:
+        return new_spool(self._spool_dir, "save")
+
+    def prepare(self, final: str) -> None:
+        # The new files take the keys of any older save of this step: clear them first.
+        clear_target(self.storage, final, self._remove)
+
+    def after_files(self, work: str, final: str, rank: int, names: Sequence[str], token: str) -> None:
+        # The intent goes first: whatever is uploaded under final is announced as ours.
+        write_intent(self.storage, final, rank, sorted(names), token)
+        storage = self.storage
+        with ThreadPoolExecutor(max_workers=self._upload_threads) as pool:
+            list(pool.map(lambda rel: storage.upload(os.path.join(work, rel), storage.join(final, rel)), names))
+
+    def publish(self, work: str, final: str, record: CommitRecord) -> None:
+        # Every rank has uploaded its own files by now.
+        self.storage.create_exclusive(self.storage.join(final, COMMIT_RECORD), record.to_json())
+
+    def finish(self, work: str) -> None:
+        shutil.rmtree(work, ignore_errors=True)
+
+    def discard(self, work: str, final: str | None) -> None:
+        with contextlib.suppress(Exception):
+            shutil.rmtree(work, ignore_errors=True)
+        if final is not None:
+            # Best effort: data objects already uploaded without a commit record are invisible
+            # anyway, and the next run removes (through their intents) whatever this cannot.
+            with contextlib.suppress(Exception):
+                clean_leftover(self.storage, final)
+
+
+def commit_method_for(storage: Storage, remove: Remove, spool_dir: str | None, upload_threads: int) -> CommitMethod:
+    """The commit method ``storage`` supports: a rename where it has one, else record-last."""
+    if storage.supports_rename:
+        return RenameCommit(storage, remove)
+    return RecordLastCommit(storage, remove, spool_dir, upload_threads)
+
+
+def clear_target(storage: Storage, final: str, remove: Remove, check_only: bool = False) -> None:
+    """Make room for a new save at ``final``, deleting only what is provably ckptkeeper's.
+
+    An older complete or broken save of the same step (its record is ours) is removed through
+    ``remove`` (invisible at once); leftovers of a crashed object-store save are cleaned through
+    their intents. Anything else raises CheckpointSaveError: ckptkeeper never overwrites what it
+    did not write. ``check_only`` only checks (local disks clear at publish time).
+    """
+    local = storage.local_path(final)
+    if local is not None:
+        if not os.path.lexists(local):
+            return
+        if os.path.islink(local) or not local_record_is_ours(local):
+            raise CheckpointSaveError(
+                f"{local} already exists and is not a ckptkeeper checkpoint (no commit record); ckptkeeper "
+                "does not overwrite what it did not write: move it out of the save folder"
+            )
+        if not check_only:
+            remove(final)  # an older save of the same step: invisible at once, deleted after
+        return
+    if not storage.list_dir(final):
+        return
+    try:
+        record = storage.read_bytes(storage.join(final, COMMIT_RECORD))
+    except FileNotFoundError:
+        record = None
+    if record is not None:
+        if not record_is_ours(record):
+            raise CheckpointSaveError(
+                f"{final} holds a {COMMIT_RECORD} that ckptkeeper did not write; ckptkeeper does not overwrite "
+                "it: move it out of the save folder"
+            )
+        remove(final)
+        return
+    clean_leftover(storage, final)
+    if storage.list_dir(final) and not read_intents(storage, final)[1]:
+        left = [f.relpath for f in storage.walk(final)][:3]
+        raise CheckpointSaveError(
+            f"{final} holds objects ckptkeeper did not write ({', '.join(left)}); ckptkeeper does not "
+            "overwrite them: move them out of the save folder"
+        )

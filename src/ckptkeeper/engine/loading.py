@@ -1,0 +1,267 @@
+"""Loading a checkpoint into a training state: verify, check the fit, read in place, roll back on failure.
+
+Nothing from a checkpoint is used before it is checked: the commit record, every file's size,
+each small file's checksum before it is decoded, whether the checkpoint fits the state. Tensors
+are then read straight into place (the fast reader, or DCP's through an allow-listed metadata
+reader), each backed up just before it is overwritten, so a failure leaves the state as it was.
+Object-store checkpoints are downloaded to a spool first and verified there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from .. import distributed as D
+from ..errors import CheckpointError, CkptkeeperError, CorruptCheckpointError
+from ..storage import Storage, storage_for
+from ..storage.layout import MODEL_DIR
+from . import discovery
+from .agreement import agree, load_error, unwrap
+from .deleter import new_spool
+from .fastio import DATA_FILE, can_use_fast_path, parse_layout, read_fast
+from .loader import CheckpointMismatchError, Rollback, read_metadata, read_train_state, saved_tensors
+from .metrics import emit
+from .record import CommitRecord, hash_file
+from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
+from .saving import quiet_dcp, tensor_bytes
+from .state import TrainingState
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+__all__ = ["download", "load"]
+
+log = logging.getLogger("ckptkeeper.engine.checkpointer")
+
+
+def load(
+    ck: Checkpointer,
+    path: str,
+    state: TrainingState,
+    check_train_state: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``state``; returns this rank's trainer state.
+
+    Nothing from the checkpoint is used before it is checked: the commit record first, then
+    every file's size, then each small file's checksum before it is decoded, then whether the
+    checkpoint fits ``state``. Tensors are read in place, each one backed up just before it is
+    overwritten; if anything fails (a checksum, a read, restoring optimizer or extra state),
+    ``state`` is put back exactly as it was and the error is raised. Errors are
+    :class:`CorruptCheckpointError` for a damaged checkpoint and
+    :class:`~ckptkeeper.engine.state.CheckpointMismatchError` (a ConfigurationError and a
+    CheckpointError) when it is intact but does not fit ``state``: its message names each key,
+    with the checkpoint's and the model's shapes. With ``TrainingState(..., strict=False)`` what
+    fits is loaded and ``state.load_report`` lists the rest. Optimizer state is loaded exactly
+    for the parameters that had it (none is made up for the others).
+
+    ``check_train_state(train_state)`` runs before any tensor is touched; whatever it raises
+    (other than a CkptkeeperError) becomes a CorruptCheckpointError naming the file.
+
+    An OLMo-core checkpoint (no commit record, no checksums) is checked as far as it can be
+    (DCP metadata through the allow-list, file sizes, with ``verify_checksums`` the CRC-32
+    inside each ``torch.save`` record); model and optimizer tensors are loaded the same way,
+    the optimizer's hyper-parameters and extras keep their current values, and the trainer
+    state returned is OLMo-core's ``train/rank{R}.pt`` (rank 0's when there is none for this
+    rank), read with ``torch.load(weights_only=True)`` and turned into plain data.
+    """
+    ck._runner.settle()
+    t0 = time.perf_counter()
+    storage = storage_for(path)
+    retries_before = getattr(storage, "retries", 0)
+    pg = ck.process_group
+    rank = D.get_rank(pg)
+    local = storage.local_path(path)
+    spool: str | None = None
+    try:
+        if local is None:
+            # Each rank downloads and verifies what it loads; all ranks agree before loading.
+            spool = new_spool(ck.spool_dir, "load")
+            where = spool
+            record = agree(lambda: download(ck, storage, path, where), None, pg, load_error)[rank]
+            local = spool
+            verified = True
+        else:
+            # One filesystem: rank 0 checks every file's size, the others take its verdict.
+            def check() -> CommitRecord:
+                if rank != 0:
+                    return discovery.read_any_record(path)
+                record = discovery.verify(path, checksums=False, structure=False)
+                # Fast-path files are checked segment by segment while they are read.
+                if ck.verify_checksums and "layout" not in record.extra:
+                    discovery.verify_checksums(path, record)
+                return record
+
+            record = agree(check, None, pg, load_error)[rank]
+            verified = ck.verify_checksums and "layout" not in record.extra
+        train_state = _load_verified(ck, path, local, record, state, verified, check_train_state)
+        emit("load", path=path, step=record.step, bytes=record.total_bytes, files=len(record.files),
+             seconds=time.perf_counter() - t0, retries=getattr(storage, "retries", 0) - retries_before)  # fmt: skip
+        return train_state
+    finally:
+        if spool is not None:
+            shutil.rmtree(spool, ignore_errors=True)
+
+
+def _load_verified(
+    ck: Checkpointer,
+    path: str,
+    local: str,
+    record: CommitRecord,
+    state: TrainingState,
+    verified: bool,
+    check_train_state: Callable[[dict[str, Any]], None] | None,
+) -> dict[str, Any]:
+    pg = ck.process_group
+    rank, world = D.get_rank(pg), D.get_world_size(pg)
+    olmo = isinstance(record, discovery.OlmoCoreRecord)
+    if isinstance(record, discovery.OlmoCoreRecord):
+        olmo_state, borrowed = discovery.read_olmo_train_state(local, rank, record, path)
+        doc: dict[str, Any] = {"train_state": olmo_state}
+    else:
+        doc, borrowed = read_train_state(local, rank, record, path)
+    if check_train_state is not None:
+        try:
+            check_train_state(doc.get("train_state", {}))
+        except CkptkeeperError:
+            raise
+        except Exception as exc:
+            raise CorruptCheckpointError(
+                f"checkpoint {path}: its trainer state is not usable ({type(exc).__name__}: {str(exc)[:200]}); "
+                "load an earlier checkpoint or restore this one from a copy"
+            ) from None
+    if borrowed:
+        log.warning(
+            "checkpoint has no trainer state for rank %d (saved with %d ranks); using rank 0's",
+            rank,
+            record.world_size,
+        )
+    if isinstance(record, discovery.OlmoCoreRecord):
+        metadata = discovery.check_olmo_core(local, record, path)
+    else:
+        metadata = read_metadata(local, record, path)
+    # Where each tensor goes, checked against the metadata (and state.strict) before anything is read.
+    plan = state.plan_load(saved_tensors(metadata), None if olmo else doc.get("state_meta", {}), path)
+    tensors, same_dtypes = plan.tensors, plan.same_dtypes
+    layout = record.extra.get("layout")
+    rows = layout.get(f"{MODEL_DIR}/{DATA_FILE}") if isinstance(layout, dict) else None
+    fast = rows is not None and world == 1 and same_dtypes and can_use_fast_path(tensors)
+    by_fqn = None
+    if fast:
+        try:
+            by_fqn = parse_layout(rows, record.files[f"{MODEL_DIR}/{DATA_FILE}"].bytes, metadata)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
+            ) from None
+    need = tensor_bytes(plan.live)  # only live state is backed up; the rest is read into new tensors
+    had_buffers = ck._stager.nbytes > 0
+    if by_fqn is None and not verified and ck.verify_checksums:
+        # DCP's reader checks no checksums, and segment checks only happen on the fast path
+        # (not taken here, e.g. for another dtype): check every file before reading it.
+        discovery.verify_checksums(local, record, path)
+        verified = True
+    guard: Rollback | None = None
+    if not ck._rollback_loads:
+        pass
+    elif ck.staging_budget_bytes is None or need <= ck.staging_budget_bytes:
+        guard = Rollback(ck._stager, plan.live, incremental=fast)
+    elif not verified:
+        # No memory for a backup: read every byte once to check it before anything is written.
+        log.info("the load's backup would exceed the staging budget; verifying %s before loading", path)
+        discovery.verify_checksums(local, record, path)
+    meta_touched = False
+    try:
+        if by_fqn is not None:
+            read_fast(
+                os.path.join(local, MODEL_DIR),
+                tensors,
+                by_fqn,
+                verify=ck.verify_checksums,
+                threads=ck.read_threads,
+                before_write=guard.before_write if guard is not None else None,
+            )
+        else:
+            data_files = [k[len(MODEL_DIR) + 1 :] for k in record.files if k.startswith(MODEL_DIR + "/")]
+            with quiet_dcp():
+                dcp_load(
+                    tensors,
+                    storage_reader=SafeFileSystemReader(os.path.join(local, MODEL_DIR), data_files, olmo_core=olmo),
+                    planner=SafeLoadPlanner(),
+                    process_group=pg,
+                    no_dist=world == 1,
+                )
+        meta_touched = True
+        # OLMo-core keeps hyper-parameters as pickles (not read): the plan kept the current ones.
+        state.apply_load(plan)
+    except (Exception, CheckpointException) as raw:
+        if guard is not None:
+            guard.restore()
+            if meta_touched:
+                try:
+                    state.undo_load(plan)
+                except Exception:
+                    log.exception("could not put the optimizer/extra settings back after a failed load")
+        inner = unwrap(raw)
+        if isinstance(inner, CheckpointError):
+            raise inner from raw
+        if isinstance(inner, OSError):
+            raise CorruptCheckpointError(f"checkpoint {path} could not be read ({inner})") from inner
+        # Shapes and keys were checked before reading: what fails here is a load_state_dict
+        # (optimizer, extra) refusing what the checkpoint holds.
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit this model/optimizer ({type(inner).__name__}: {_last_line(inner)}); "
+            "load it into the model, optimizer and extras it was saved from"
+        ) from inner
+    finally:
+        if guard is not None and not had_buffers:
+            ck._stager.release()  # the backup was only for this load
+    train_state: dict[str, Any] = doc.get("train_state", {})
+    return train_state
+
+
+def download(ck: Checkpointer, storage: Storage, path: str, spool: str) -> CommitRecord:
+    # OLMo-core checkpoints have no record to list their files: every file of the step folder
+    # is fetched (its listed size checked), then checked as far as it can be, locally.
+    record = discovery.read_any_record(path)
+    olmo = isinstance(record, discovery.OlmoCoreRecord)
+    names = sorted(record.files)
+    root = os.path.realpath(spool)
+
+    def fetch(rel: str) -> None:
+        dst = os.path.join(spool, rel)
+        # Names were checked when the record was read; this is the second lock on the door.
+        if not os.path.realpath(dst).startswith(root + os.sep):
+            raise CorruptCheckpointError(f"checkpoint {path} lists {rel!r}, which is outside the checkpoint")
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:
+            storage.download(storage.join(path, rel), dst)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupt: missing file {rel}") from None
+        if olmo:
+            discovery.check_file(path, rel, record.files[rel], os.lstat(dst).st_size, None)
+            return
+        size, digest = hash_file(dst, follow_links=False)
+        discovery.check_file(path, rel, record.files[rel], size, digest if ck.verify_checksums else None)
+
+    with ThreadPoolExecutor(max_workers=ck.upload_threads) as pool:
+        list(pool.map(fetch, names))
+    if isinstance(record, discovery.OlmoCoreRecord):
+        if ck.verify_checksums:
+            discovery.verify_checksums(spool, record, path)  # the CRC-32s, after the structure
+        else:
+            discovery.check_olmo_core(spool, record, path)
+    return record
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1].strip() if text else type(exc).__name__

@@ -1,0 +1,308 @@
+"""The save pipeline: the steps of writing one checkpoint, on every rank, in agreement.
+
+``preparing`` (rank 0 checks the target), ``writing tensors`` (the fast single-process writer,
+or DCP's), ``writing trainer state`` (each rank's JSON, then each rank hashes its own files),
+``uploading`` (object stores) and ``publishing`` (rank 0 commits). Each step is agreed on by all
+ranks (:mod:`~ckptkeeper.engine.agreement`), so a failure anywhere fails the save everywhere,
+and how the checkpoint becomes visible is the storage's :mod:`~ckptkeeper.engine.commit` method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from .. import distributed as D
+from ..errors import CheckpointSaveError, ConfigurationError, DiskFullError
+from ..storage import storage_for
+from ..storage.layout import COMMIT_RECORD, MODEL_DIR, step_dir_name, train_state_name
+from ..storage.local import translate_os_error
+from .agreement import agree, unwrap
+from .commit import CommitMethod
+from .fastio import DATA_FILE, Segment, can_use_fast_path, write_fast
+from .metrics import emit
+from .record import CommitRecord, FileEntry, check_metrics, hash_file
+from .state import flatten_tensors
+
+__all__ = ["SaveResult", "SaveSettings", "SaveStage", "final_path", "quiet_dcp", "tensor_bytes", "write_checkpoint"]
+
+log = logging.getLogger("ckptkeeper.engine.checkpointer")
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one save did and cost."""
+
+    step: int
+    path: str
+    ephemeral: bool
+    bytes: int
+    blocked_s: float
+    """Seconds the caller was blocked (for async saves: the snapshot)."""
+    durable_s: float
+    """Seconds from the call until the checkpoint was committed."""
+    files: int = 0
+    """Files written (across all ranks)."""
+    retries: int = 0
+    """Storage requests this process retried during the save (S3; 0 where the client does not say)."""
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second from the call until durable."""
+        return self.bytes / self.durable_s if self.durable_s > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class SaveStage:
+    """Where a save is, as told to ``Checkpointer(on_stage=...)``: the public fault-injection seam.
+
+    ``on_stage`` is called on every rank at the start of each stage, in the thread doing the save
+    (the background writer for async saves). Whatever it raises is handled exactly like an I/O
+    error at that point of the save (the checkpoint stays invisible, the error names the step);
+    it may also block or sleep to hold a save in flight. Stages, in order: ``"preparing"``,
+    ``"writing tensors"``, ``"writing trainer state"``, ``"uploading"`` (object stores only) and
+    ``"publishing"`` (rank 0 only).
+    """
+
+    name: str
+    step: int
+    rank: int
+    work: str
+    """The local folder the files are written to before the commit."""
+    final: str
+    """Where the checkpoint will be once committed."""
+
+
+@dataclass(frozen=True)
+class SaveSettings:
+    """What a save takes from its :class:`~ckptkeeper.Checkpointer`, read at the time of the save."""
+
+    process_group: Any
+    writer: str
+    io_threads: int
+    on_stage: Callable[[SaveStage], None] | None
+
+
+@contextlib.contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """DCP warns on every single-process call; the warning is about its own defaults, not ours."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint.*")
+        warnings.filterwarnings("ignore", message=".*process group.*")
+        yield
+
+
+def final_path(save_folder: str, step: int) -> str:
+    """Where the checkpoint of ``step`` lives once committed."""
+    return storage_for(save_folder).join(save_folder, step_dir_name(step))
+
+
+def train_payload(step: int, train_state: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> bytes:
+    """The trainer-state file's content, serialised now so later changes to the caller's objects cannot leak in."""
+    doc = {"step": step, "train_state": dict(train_state or {}), "state_meta": meta}
+    try:
+        return json.dumps(doc).encode()
+    except (TypeError, ValueError) as exc:
+        raise CheckpointSaveError(
+            f"step {step}: trainer state cannot be stored as JSON ({exc}); keep state_dict() values to "
+            "tensors, numbers, strings, lists and dicts"
+        ) from exc
+
+
+def checked_metrics(step: int, metrics: Mapping[str, float] | None) -> dict[str, float] | None:
+    """``metrics`` validated for the commit record; ConfigurationError names what is wrong."""
+    if metrics is None:
+        return None
+    try:
+        return check_metrics(dict(metrics))
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"step {step}: metrics must map names to finite numbers ({exc}); pass e.g. metrics={{'val_loss': 0.31}}"
+        ) from None
+
+
+def emit_save(r: SaveResult, is_async: bool) -> None:
+    """The metrics event of one save."""
+    emit("save", path=r.path, step=r.step, ephemeral=r.ephemeral, bytes=r.bytes, files=r.files,
+         blocked_s=r.blocked_s, durable_s=r.durable_s, retries=r.retries, **{"async": is_async})  # fmt: skip
+
+
+def write_checkpoint(
+    settings: SaveSettings,
+    commit: CommitMethod,
+    save_folder: str,
+    step: int,
+    tensors: Mapping[str, Any],
+    payload: bytes,
+    ephemeral: bool,
+    t0: float,
+    metrics: Mapping[str, float] | None = None,
+) -> SaveResult:
+    """Write and commit the checkpoint of ``step`` (every rank calls this together)."""
+    storage = commit.storage
+    retries_before = getattr(storage, "retries", 0)
+    final = storage.join(save_folder, step_dir_name(step))
+    pg = settings.process_group
+    rank, world = D.get_rank(pg), D.get_world_size(pg)
+    token = D.broadcast_object(uuid.uuid4().hex[:8], group=pg)
+    work = commit.work_folder(save_folder, step, token)
+    files: dict[str, FileEntry] = {}
+    written: dict[str, FileEntry] = {}
+    extra: dict[str, Any] = {"metrics": dict(metrics)} if metrics else {}
+    stage = "preparing"
+
+    def enter(name: str) -> None:
+        if settings.on_stage is not None:
+            settings.on_stage(SaveStage(name, step, rank, work, final))
+
+    def prepare() -> None:
+        enter("preparing")
+        with translate_os_error(work):
+            os.makedirs(os.path.join(work, MODEL_DIR), exist_ok=True)
+        if rank == 0:
+            commit.prepare(final)
+
+    def write_tensors() -> None:
+        enter("writing tensors")
+        with translate_os_error(work):
+            out = _write_tensors(settings, os.path.join(work, MODEL_DIR), tensors, world)
+        if out is not None:
+            fast_files, segments = out
+            written.update({f"{MODEL_DIR}/{k}": v for k, v in fast_files.items()})
+            extra["layout"] = {f"{MODEL_DIR}/{DATA_FILE}": [seg.to_json() for seg in segments]}
+
+    def finish_own_files() -> dict[str, FileEntry]:
+        enter("writing trainer state")
+        with translate_os_error(work):
+            storage_for(work).write_bytes(os.path.join(work, train_state_name(rank)), payload)
+        mine = _hash_own_files(work, rank, world, skip=set(written))
+        mine.update(written)
+        if not storage.supports_rename:
+            enter("uploading")
+        commit.after_files(work, final, rank, sorted(mine), token)
+        return mine
+
+    def publish() -> None:
+        if rank == 0:
+            enter("publishing")
+            commit.publish(work, final, record)
+
+    try:
+        agree(prepare, step, pg)
+        stage = "writing tensors"
+        agree(write_tensors, step, pg)
+        stage = "writing trainer state and uploading" if not storage.supports_rename else "writing trainer state"
+        for part in agree(finish_own_files, step, pg):
+            files.update(part)
+        stage = "publishing"
+        record = CommitRecord(step=step, ephemeral=ephemeral, world_size=world, files=files, extra=extra)
+        agree(publish, step, pg)
+    except (Exception, CheckpointException) as raw:
+        exc = unwrap(raw)
+        discard_final = final if rank == 0 and stage != "preparing" else None
+        if isinstance(exc, CheckpointSaveError):
+            commit.discard(work, discard_final)
+            # Another rank failed (its message already says where): keep the original chain.
+            if exc is raw:
+                raise
+            raise exc from raw
+        # torch.save reports a full disk as a RuntimeError about zip positions; free space tells.
+        if not isinstance(exc, OSError) and _free_bytes(work) < tensor_bytes(tensors) + len(payload):
+            exc = OSError(errno.ENOSPC, "No space left on device", getattr(exc, "filename", None) or work)
+        commit.discard(work, discard_final)
+        on_rank = f" on rank {rank}" if world > 1 else ""
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(
+                exc.errno,
+                f"step {step}{on_rank}: the disk is full while writing {exc.filename or work}; free "
+                "space or choose another save folder (checkpoints already saved were not touched)",
+            ) from raw
+        where = getattr(exc, "filename", None) or work
+        raise CheckpointSaveError(
+            f"saving step {step} to {final} failed{on_rank} while {stage} ({where}): {exc}"
+        ) from exc
+    finally:
+        commit.finish(work)
+    total = sum(e.bytes for e in files.values())
+    elapsed = time.perf_counter() - t0
+    log.info(
+        "saved step %d to %s: %.1f MiB in %.2fs (%.0f MiB/s)",
+        step,
+        final,
+        total / 2**20,
+        elapsed,
+        total / 2**20 / max(elapsed, 1e-9),
+    )
+    retries = getattr(storage, "retries", 0) - retries_before
+    return SaveResult(step, final, ephemeral, total, elapsed, elapsed, len(files), retries)
+
+
+def _write_tensors(
+    settings: SaveSettings, model_dir: str, tensors: Mapping[str, Any], world: int
+) -> tuple[dict[str, FileEntry], list[Segment]] | None:
+    """Write the tensor tree in DCP format; returns (files, layout) when the fast path wrote it."""
+    if world == 1 and settings.writer == "auto" and can_use_fast_path(tensors):
+        return write_fast(model_dir, tensors, threads=settings.io_threads)
+    with quiet_dcp():
+        dcp_save(
+            dict(tensors),
+            storage_writer=FileSystemWriter(model_dir, sync_files=True),
+            process_group=settings.process_group,
+            no_dist=world == 1,
+        )
+    return None
+
+
+def _hash_own_files(work: str, rank: int, world: int, skip: set[str] | None = None) -> dict[str, FileEntry]:
+    # With several ranks each hashes the files it wrote; rank 0 also owns DCP's .metadata.
+    out: dict[str, FileEntry] = {}
+    for dirpath, _, names in os.walk(work):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, work).replace(os.sep, "/")
+            # The spool's owner marker is the spool's, not the checkpoint's.
+            if rel in (COMMIT_RECORD, ".owner.json") or rel in (skip or ()):
+                continue
+            if world > 1 and not _written_by(rel, rank):
+                continue
+            size, digest = hash_file(full)
+            out[rel] = FileEntry(size, digest)
+    return out
+
+
+def _written_by(rel: str, rank: int) -> bool:
+    if rel == train_state_name(rank):
+        return True
+    if rel.startswith(MODEL_DIR + "/"):
+        base = rel[len(MODEL_DIR) + 1 :]
+        if base == ".metadata":
+            return rank == 0
+        # DCP names each rank's data file __{rank}_{n}.distcp.
+        return base.startswith(f"__{rank}_")
+    return False
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 1 << 62
+    return st.f_bavail * st.f_frsize
+
+
+def tensor_bytes(tree: Mapping[str, Any]) -> int:
+    """Bytes of every tensor in a (nested) tree."""
+    return sum(t.numel() * t.element_size() for _, t in flatten_tensors(tree))
