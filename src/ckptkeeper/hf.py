@@ -108,7 +108,13 @@ class _PolicyCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         mgr = self._trainer.checkpoint_manager
-        if mgr is not None:
+        if mgr is None:
+            return
+        if control.should_save:
+            # HF's save_strategy asks for this step: a permanent checkpoint (its _save_checkpoint,
+            # called next, finds the step saved), not an ephemeral the policy would supersede.
+            mgr.save(state.global_step)
+        else:
             mgr.save_if_due(state.global_step)
 
 
@@ -218,16 +224,25 @@ class CkptkeeperTrainer(transformers.Trainer):  # type: ignore[misc]
 
     def _pick_checkpoint(self, mgr: CheckpointManager) -> str | None:
         """Choose the newest checkpoint that verifies; returns the stand-in folder for HF, or None."""
-        picked = mgr.pick()  # the manager's fallback rules, with a full checksum pass as the test
+
+        def hf_state_of(path: str, ts: dict[str, Any]) -> dict[str, Any]:
+            hf_state = ts.get("callbacks", {}).get(_JSON_NAME, {}).get("trainer_state")
+            if not isinstance(hf_state, dict):
+                raise CorruptCheckpointError(
+                    f"checkpoint {path} holds no Hugging Face trainer state (written by another trainer?)"
+                )
+            return hf_state
+
+        # The manager's fallback rules, with a full checksum pass as the test; a checkpoint without
+        # HF's state (written by another trainer) is skipped like a corrupt one.
+        def accept(path: str, ts: dict[str, Any]) -> None:
+            hf_state_of(path, ts)
+
+        picked = mgr.pick(accept=accept)
         if picked is None:
             return None
         path, ts = picked
-        hf_state = ts.get("callbacks", {}).get(_JSON_NAME, {}).get("trainer_state")
-        if not isinstance(hf_state, dict):
-            raise CorruptCheckpointError(
-                f"checkpoint {path} holds no Hugging Face trainer state (written by another trainer?); resume it "
-                "with the trainer that wrote it, or use a new save folder"
-            )
+        hf_state = hf_state_of(path, ts)
         self._picked = path
         self._picked_step = int(ts["global_step"])
         self._picked_rng = ts["rng"]

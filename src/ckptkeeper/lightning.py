@@ -63,7 +63,13 @@ import torch
 
 from ._resume import rng_state, set_rng_state
 from .engine import Checkpointer, TrainingState
-from .errors import CheckpointError, CheckpointSaveError, ConfigurationError
+from .errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    ConfigurationError,
+    CorruptCheckpointError,
+)
 from .manager import CheckpointManager
 from .policy import CheckpointPolicyConfig
 
@@ -304,6 +310,13 @@ class _LightningCheckpointer(Checkpointer):
 
         try:
             return super().load(path, state, check)
+        except CheckpointMismatchError as exc:
+            # The template comes from the checkpoint's own trainer state: a tensor it names that its
+            # data files lack (or shape differently) is a damaged checkpoint, not a model change.
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is inconsistent: its Lightning state and its tensors disagree ({exc}); "
+                "load an earlier checkpoint (resume does this automatically) or restore it from a copy"
+            ) from None
         finally:
             lstate.end_load()
 

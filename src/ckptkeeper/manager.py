@@ -34,6 +34,7 @@ from . import distributed as D
 from ._resume import DataPosition, check_train_state, from_olmo_core, rng_state, set_rng_state
 from .engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, TrainingState
 from .engine.discovery import NOT_OURS
+from .engine.record import check_metrics
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -57,6 +58,7 @@ from .policy import (
     wants_pre_train_save,
 )
 from .storage import is_url, parse_step, storage_for
+from .storage.layout import MAX_STEP
 
 __all__ = ["CheckpointEvent", "CheckpointManager", "JsonStateful"]
 
@@ -210,6 +212,7 @@ class CheckpointManager:
         self._future: Future[Any] | None = None
         self._latest_step = -1
         self._latest_path = ""
+        self._latest_kind: SaveKind | None = None
         self._book: RetentionBook[str] = RetentionBook()
         self._pending: list[tuple[str, Future[SaveResult]]] = []
         self._bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-bookkeeping")
@@ -220,6 +223,7 @@ class CheckpointManager:
         self._loader: Any = None
         self._last_save_time = time.monotonic()
         self._signalled: int | None = None
+        self._warned_metrics: set[str] = set()
         self._old_handlers: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ context manager
@@ -274,6 +278,9 @@ class CheckpointManager:
         if self._closed:
             raise ConfigurationError("this CheckpointManager is closed; make a new one")
         try:
+            # Before loading (which can take minutes): a preemption signal now is kept for the
+            # first save_if_due instead of killing the process mid-restore.
+            self._install_signals()
             self.open()
             if not self.checkpoint_loaded:
                 self._resume()
@@ -372,13 +379,15 @@ class CheckpointManager:
     def _resume(self) -> bool:
         return self._first_good(self.load, "start from") is not None
 
-    def pick(self) -> tuple[str, dict[str, Any]] | None:
+    def pick(self, accept: Callable[[str, dict[str, Any]], None] | None = None) -> tuple[str, dict[str, Any]] | None:
         """The checkpoint :meth:`restore` would load, and its trainer state, without loading it.
 
         The same choice and fallback rules (newest first; corrupt ones skipped; all corrupt:
         CorruptCheckpointError unless ``start_fresh_if_unloadable``; else ``load_path``), with a
         full checksum verification of every file as the test instead of a load. For frameworks
         that read the trainer state before their model and optimizer exist; None: nothing to load.
+        ``accept(path, train_state)`` may refuse a checkpoint by raising CorruptCheckpointError
+        (one another trainer wrote, say): the next older one is tried.
         """
         from .engine.reader import read_train_state
 
@@ -389,7 +398,10 @@ class CheckpointManager:
                 check_train_state(from_olmo_core(ts), list(self.json_state))
             except (ValueError, KeyError, TypeError) as exc:
                 raise CorruptCheckpointError(f"checkpoint {path}: its trainer state cannot be used ({exc})") from None
-            return dict(from_olmo_core(ts))
+            usable = dict(from_olmo_core(ts))
+            if accept is not None:
+                accept(path, usable)
+            return usable
 
         return self._first_good(verified, "pick")
 
@@ -464,6 +476,8 @@ class CheckpointManager:
         batch at all. ``epochs``: stop at the end of that many epochs in all (restored ones count).
         With neither, it keeps going: break out of the loop when training is done.
         """
+        if self._closed:
+            raise ConfigurationError("this CheckpointManager is closed; make a new one to train again")
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0):
             raise ConfigurationError(f"'max_steps' must be a whole number >= 0, got {max_steps!r}")
         self._loader = loader
@@ -483,6 +497,7 @@ class CheckpointManager:
         them). ``skip_ephemeral`` skips an ephemeral save due at this step.
         """
         self._check_step(step)
+        metrics = self._usable_metrics(step, metrics)
         if not self._begun:
             self.begin()
         self.step = step
@@ -524,11 +539,15 @@ class CheckpointManager:
         once the checkpoint is durable.
         """
         self._check_step(step)
+        metrics = self._usable_metrics(step, metrics)
         if not self._begun:
             self.begin()
         self.step = step
         self.check_lease()
-        if step == self._latest_step and self._latest_path and not force:
+        # Saved already at this step: nothing to write, unless forced or an ephemeral is to become
+        # permanent (it would otherwise be removed once superseded).
+        upgrade = self._latest_kind == SaveKind.ephemeral and not ephemeral
+        if step == self._latest_step and self._latest_path and not force and not upgrade:
             if wait:
                 self._await_last()
             return self._latest_path
@@ -671,7 +690,9 @@ class CheckpointManager:
         self._future = fut
         self._latest_step = self.step
         self._latest_path = path
+        self._latest_kind = kind
         self.history.append(CheckpointEvent("save", self.step, self.step, kind.value, path))
+        self._book.forget(path)  # a second save of this step replaces the first, kind included
         self._book.record_save(path, kind)
         if fut is None:
             self._apply_retention()
@@ -686,7 +707,11 @@ class CheckpointManager:
         if not blocking and not D.all_agree(fut.done()):
             return
         self._future = None
-        fut.result()
+        try:
+            fut.result()
+        finally:
+            # Its outcome is collected here: the next save must not raise the same error again.
+            self.checkpointer.forget(fut)
         if not D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(self._latest_path)):
             raise CheckpointSaveError(
                 f"the save of step {self._latest_step} finished but {self._latest_path} is not a complete checkpoint"
@@ -815,7 +840,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ triggers
 
     def _install_signals(self) -> None:
-        if not self.save_on_signals:
+        if not self.save_on_signals or self._old_handlers:
             return
         if threading.current_thread() is not threading.main_thread():
             raise ConfigurationError(
@@ -853,13 +878,34 @@ class CheckpointManager:
     def _check_step(self, step: int) -> None:
         if self._closed:
             raise ConfigurationError("this CheckpointManager is closed; make a new one to save again")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigurationError(f"step must be a whole number >= 0, got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+            raise ConfigurationError(f"step must be a whole number from 0 to 2**62, got {step!r}")
         if step < self.step:
             raise ConfigurationError(
                 f"step {step} is before step {self.step}, which this run already reached; pass the number of "
                 "updates done so far (restore() returns the step to continue from)"
             )
+
+    def _usable_metrics(self, step: int, metrics: Mapping[str, float] | None) -> dict[str, float] | None:
+        # A NaN loss or a stray string must not stop training at a save: what cannot be stored is
+        # left out of the record, with a warning (once per metric name).
+        if metrics is None:
+            return None
+        if not isinstance(metrics, Mapping):
+            raise ConfigurationError(f"metrics must be a dict of names to numbers, got {type(metrics).__name__}")
+        good: dict[str, float] = {}
+        for name, value in metrics.items():
+            try:
+                if len(good) >= 256:
+                    raise ValueError("more than 256 metrics")
+                if hasattr(value, "item") and not isinstance(value, (int, float)):
+                    value = value.item()  # a one-element tensor or a numpy scalar: its number
+                good.update(check_metrics({name: value}))
+            except (ValueError, RuntimeError, TypeError) as exc:
+                if name not in self._warned_metrics:
+                    self._warned_metrics.add(str(name))
+                    log.warning("step %d: metric %r is not stored with the checkpoint (%s)", step, name, exc)
+        return good
 
     def check_lease(self) -> None:
         """Raise SaveFolderInUseError when another run took the save folder's lease over."""

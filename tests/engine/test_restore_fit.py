@@ -456,3 +456,39 @@ def test_saving_at_every_step_sync_or_async_leaves_the_run_bit_identical(tmp_pat
             for i in range(k, steps):
                 _plain_step(resumed, i)
             assert _digest(resumed) == want, (folder, k)
+
+
+def test_another_optimizer_type_does_not_fit_and_strict_false_keeps_the_optimizer_as_it_is(tmp_path: Path) -> None:
+    path, _ = _saved_mlp(tmp_path, 6, 8, 3)  # AdamW state
+    torch.manual_seed(1)
+    model = _mlp(6, 8, 3)
+    sgd = TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    _plain_step(sgd, 0)
+    before = _snapshot(sgd)
+    with pytest.raises(CheckpointMismatchError, match="AdamW's, not SGD's"):
+        Checkpointer().load(path, sgd)
+    assert _snapshot(sgd) == before
+    loose = TrainingState(model, sgd.optimizer, strict=False)
+    Checkpointer().load(path, loose)
+    assert loose.load_report is not None and loose.load_report.mismatched_keys == ["optim"]
+    assert loose.optimizer is not None
+    assert loose.optimizer.param_groups[0]["momentum"] == 0.9  # its own settings and state, untouched
+    _plain_step(loose, 1)  # and it still steps
+
+
+def test_an_optimizer_keeping_lists_of_tensors_gets_a_clear_error(tmp_path: Path) -> None:
+    model = _mlp(6, 3)
+    opt = torch.optim.LBFGS(model.parameters(), history_size=2, max_iter=2)
+    x, y = _batch(0)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        return loss
+
+    for _ in range(3):  # its history (lists of tensors) fills from the second step on
+        opt.step(closure)  # type: ignore[no-untyped-call]
+    with pytest.raises(ConfigurationError, match="LBFGS"):
+        Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt))
+    assert not list(tmp_path.iterdir())

@@ -17,6 +17,7 @@ from ckptkeeper import (
     Checkpointer,
     CheckpointManager,
     CheckpointPolicyConfig,
+    CheckpointSaveError,
     ConfigurationError,
     CorruptCheckpointError,
     RetentionRules,
@@ -122,8 +123,8 @@ def test_misuse_gets_clear_errors(tmp_path: Path) -> None:
     mgr.save_if_due(3)
     with pytest.raises(ConfigurationError, match="before step 3"):
         mgr.save_if_due(2)
-    with pytest.raises(ConfigurationError, match="finite"):
-        mgr.save(4, metrics={"loss": float("nan")})
+    with pytest.raises(ConfigurationError, match="finite"):  # the engine refuses; the manager drops it (below)
+        Checkpointer().save(str(tmp_path / "other"), 4, mgr.state, metrics={"loss": float("nan")})
     mgr.close()
     with pytest.raises(ConfigurationError, match="closed"):
         mgr.save_if_due(5)
@@ -235,10 +236,10 @@ def test_data_ends_at_max_steps_without_drawing_a_batch(tmp_path: Path) -> None:
     rng = torch.get_rng_state()
     assert list(mgr.data(loader, max_steps=6)) == []  # already there: no batch, no shuffle drawn
     assert torch.equal(torch.get_rng_state(), rng)
-    mgr.close()
-    assert max(_steps_on_disk(folder)) == 6
     with pytest.raises(ConfigurationError, match="max_steps"):
         mgr.data(loader, max_steps=-1)
+    mgr.close()
+    assert max(_steps_on_disk(folder)) == 6
 
 
 def test_a_model_that_grew_resumes_with_strict_false_and_says_what_it_left_out(tmp_path: Path) -> None:
@@ -262,3 +263,91 @@ def test_a_model_that_grew_resumes_with_strict_false_and_says_what_it_left_out(t
         same.restore()
     assert torch.equal(grown[0].weight, ref[0].weight) and torch.equal(grown[2].bias, ref[2].bias)
     assert not torch.equal(grown[0].weight, _setup()[0][0].weight)  # step 4's weights, not a fresh init
+
+
+def test_a_failed_async_save_is_raised_once_and_the_next_save_still_happens(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+
+    def fail_step_4(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 4:
+            raise OSError(5, "Input/output error", "injected")
+
+    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=fail_step_4))
+    mgr.restore()
+    errors = []
+    for step in range(1, 9):
+        try:
+            mgr.save_if_due(step)
+        except CheckpointSaveError as exc:
+            errors.append((step, str(exc)))
+    mgr.close()
+    assert len(errors) == 1 and "step 4" in errors[0][1]  # raised once, at a later step
+    assert _steps_on_disk(folder) == [0, 8]
+
+
+def test_save_after_an_ephemeral_of_the_same_step_makes_it_permanent(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    cfg = CheckpointPolicyConfig(save_interval=None, ephemeral_save_interval=2, save_async=False)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg)
+    mgr.restore()
+    for step in range(1, 9):
+        mgr.save_if_due(step)
+        if step == 4:
+            mgr.save(4)  # the user wants this one kept
+    mgr.close()
+    kinds = {i.step: i.ephemeral for i in discovery.list_checkpoints(folder) if i.complete}
+    assert kinds[4] is False and 2 not in kinds and 6 not in kinds  # 4 stayed; superseded ephemerals went
+
+
+def test_bad_metrics_never_stop_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = str(tmp_path / "run")
+    cfg = CheckpointPolicyConfig(save_interval=1, save_async=False, pre_train_checkpoint=False)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg)
+    mgr.restore()
+    values: list[Any] = [float("nan"), float("inf"), 10**400, "0.5", torch.tensor(0.25), torch.ones(3)]
+    for step, value in enumerate(values, start=1):
+        mgr.save_if_due(step, metrics={"loss": value, "ok": 1.0})
+    mgr.close()
+    saved = {i.step: dict(i.metrics) for i in discovery.list_checkpoints(folder)}
+    assert saved[1] == {"ok": 1.0} and saved[3] == {"ok": 1.0}
+    assert saved[5] == {"loss": 0.25, "ok": 1.0}  # a one-element tensor is its number
+    assert caplog.text.count("is not stored with the checkpoint") == 1  # warned once per name
+
+
+def test_steps_beyond_what_a_record_can_hold_are_refused(tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path), model=nn.Linear(2, 2))
+    mgr.restore()
+    with pytest.raises(ConfigurationError, match="2\\*\\*62"):
+        mgr.save_if_due(2**63)
+    with pytest.raises(ConfigurationError, match="2\\*\\*62"):
+        Checkpointer().save(str(tmp_path), 2**70, mgr.state)
+    mgr.close(final_save=False)
+    with pytest.raises(ConfigurationError, match="closed"):
+        mgr.data([1, 2])
+
+
+def test_pick_skips_what_accept_refuses(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    _run(folder, 6, config=CheckpointPolicyConfig(save_interval=2, save_async=False))
+
+    def only_old(path: str, ts: dict[str, Any]) -> None:
+        if ts["global_step"] > 2:
+            raise CorruptCheckpointError(f"{path}: not ours")
+
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2))
+    picked = mgr.pick(accept=only_old)
+    assert picked is not None and picked[0].endswith("step2") and picked[1]["global_step"] == 2
+    mgr.close(final_save=False)
+
+
+def test_a_preemption_signal_during_restore_is_kept_for_the_first_step(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    _run(folder, 4, config=CheckpointPolicyConfig(save_interval=2, save_async=False))
+    model, opt, _, _ = _setup()
+    mgr = CheckpointManager(folder, model=model, optimizer=opt, save_on_signals=[signal.SIGTERM], exit_on_signal=False)
+    mgr.on_loaded.append(lambda path: os.kill(os.getpid(), signal.SIGTERM))  # arrives mid-restore
+    step = mgr.restore()  # the process survives it
+    assert step == 4 and not mgr.preempted
+    mgr.save_if_due(step)  # nothing new to save; the manager stops
+    assert mgr.preempted and mgr.lease is None

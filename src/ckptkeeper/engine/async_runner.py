@@ -48,6 +48,12 @@ class AsyncRunner(Generic[T]):
             fut, self._inflight = self._inflight, None
         return fut.result() if fut is not None else None
 
+    def forget(self, fut: Future[T]) -> None:
+        """Stop tracking ``fut`` when it is the job in flight: its outcome was collected elsewhere."""
+        with self._lock:
+            if self._inflight is fut:
+                self._inflight = None
+
     def settle(self) -> None:
         """Wait for the job in flight to finish, leaving its outcome with its future."""
         with self._lock:

@@ -214,6 +214,14 @@ class Checkpointer:
         """Wait for the background save, if any; re-raises its error."""
         return self._runner.wait()
 
+    def forget(self, fut: Future[SaveResult]) -> None:
+        """Stop tracking ``fut`` as the save in flight: its caller collected its outcome (or error).
+
+        Without this, the next save (which waits for the one in flight first) would raise the
+        same failure a second time.
+        """
+        self._runner.forget(fut)
+
     def close(self) -> None:
         """Wait for the background save and stop the writer thread."""
         self._runner.close()

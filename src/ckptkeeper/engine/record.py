@@ -23,7 +23,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CorruptCheckpointError
-from ..storage.layout import COMMIT_RECORD, MODEL_DIR, check_relpath, train_state_name
+from ..storage.layout import COMMIT_RECORD, MAX_STEP, MODEL_DIR, check_relpath, train_state_name
 from ..storage.local import open_regular
 
 __all__ = [
@@ -258,7 +258,7 @@ class CommitRecord:
             raise ValueError("'extra.layout' is not a table of data files and their segments")
         check_metrics(extra.get("metrics", {}))
         return cls(
-            step=_int(doc["step"], "step", 0, 1 << 62),
+            step=_int(doc["step"], "step", 0, MAX_STEP),
             ephemeral=ephemeral,
             world_size=_int(doc["world_size"], "world_size", 1, 1 << 24),
             files=files,
@@ -276,9 +276,13 @@ def check_metrics(metrics: Any) -> dict[str, float]:
     for name, value in metrics.items():
         if not isinstance(name, str) or not 0 < len(name) <= 200:
             raise ValueError(f"metric name {str(name)[:40]!r} is not a string of 1 to 200 characters")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        try:
+            number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        except OverflowError:  # an int beyond float's range
+            number = None
+        if number is None or not math.isfinite(number):
             raise ValueError(f"metric {name!r} is {str(value)[:40]!r}, not a finite number")
-        out[name] = float(value)
+        out[name] = number
     return out
 
 

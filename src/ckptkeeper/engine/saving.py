@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from .. import distributed as D
 from ..errors import CheckpointSaveError, ConfigurationError, DiskFullError
 from ..storage import storage_for
-from ..storage.layout import COMMIT_RECORD, MODEL_DIR, step_dir_name, train_state_name
+from ..storage.layout import COMMIT_RECORD, MAX_STEP, MODEL_DIR, step_dir_name, train_state_name
 from ..storage.local import translate_os_error
 from .agreement import agree, unwrap
 from .commit import CommitMethod
@@ -123,7 +123,9 @@ def train_payload(step: int, train_state: Mapping[str, Any] | None, meta: Mappin
 
 
 def checked_metrics(step: int, metrics: Mapping[str, float] | None) -> dict[str, float] | None:
-    """``metrics`` validated for the commit record; ConfigurationError names what is wrong."""
+    """``step`` checked and ``metrics`` validated for the commit record; ConfigurationError names what is wrong."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ConfigurationError(f"step must be a whole number from 0 to 2**62, got {step!r}")
     if metrics is None:
         return None
     try:

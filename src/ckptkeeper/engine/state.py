@@ -57,14 +57,14 @@ def _is_tensor(x: Any) -> bool:
 
 
 def to_json_tree(value: Any, where: str = "state") -> Any:
-    """``value`` as plain JSON types (tuples become lists); TypeError names what cannot be stored."""
+    """``value`` as plain JSON types (tuples become lists); ConfigurationError names what cannot be stored."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
         return [to_json_tree(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         return {str(k): to_json_tree(v, f"{where}.{k}") for k, v in value.items()}
-    raise TypeError(
+    raise ConfigurationError(
         f"{where} holds a {type(value).__name__}, which a checkpoint cannot store without pickle; "
         "return tensors, numbers, strings, lists or dicts from state_dict()"
     )
@@ -85,7 +85,10 @@ def split_tensors(tree: Mapping[str, Any], where: str = "state") -> tuple[dict[s
             rest[k] = r
         else:
             if isinstance(value, (list, tuple)) and any(_is_tensor(v) for v in value):
-                raise TypeError(f"{where}.{k} is a list holding tensors; put tensors in a dict with string keys")
+                raise ConfigurationError(
+                    f"{where}.{k} is a list holding tensors, which a checkpoint cannot store yet (an optimizer "
+                    "keeping lists of tensors, such as LBFGS, is not supported); put tensors in a dict with string keys"
+                )
             rest[k] = to_json_tree(value, f"{where}.{k}")
     return tensors, rest
 
@@ -261,7 +264,13 @@ def _optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) ->
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[pid] for pid in g["params"]]}
         for g in osd["param_groups"]
     ]
-    return {"state": state, "param_groups": groups}
+    # Which optimizer wrote it: loading AdamW's state into SGD would "work" and fail at step().
+    return {"state": state, "param_groups": groups, "class": _class_name(optimizer)}
+
+
+def _class_name(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _as_before(current: Any, loaded: Any) -> Any:
@@ -334,6 +343,8 @@ class _Fit:
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self.mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.incompatible: list[tuple[str, str]] = []
+        """(key, why) of what fits in no shape: another optimizer type."""
         self.same_dtypes = True
 
     def info(self, key: str) -> SavedTensor:
@@ -358,7 +369,11 @@ class _Fit:
         return True
 
     def report(self) -> LoadReport:
-        return LoadReport(list(self.missing), list(self.unexpected), [k for k, _, _ in self.mismatched])
+        def unique(keys: list[str]) -> list[str]:
+            return list(dict.fromkeys(keys))
+
+        mismatched = [k for k, _, _ in self.mismatched] + [k for k, _ in self.incompatible]
+        return LoadReport(unique(self.missing), unique(self.unexpected), unique(mismatched))
 
     def problems(self) -> str:
         def listed(keys: list[str]) -> str:
@@ -371,6 +386,7 @@ class _Fit:
         ]
         if len(self.mismatched) > 3:
             parts[-1] += f" (and {len(self.mismatched) - 3} more of another shape)"
+        parts += [why for _, why in self.incompatible]
         if self.missing:
             parts.append(f"it has no {listed(self.missing)}")
         if self.unexpected:
@@ -378,7 +394,7 @@ class _Fit:
         return "; ".join(parts)
 
     def raise_if_strict(self, strict: bool) -> None:
-        if not (self.missing or self.unexpected or self.mismatched):
+        if not (self.missing or self.unexpected or self.mismatched or self.incompatible):
             return
         if strict:
             raise CheckpointMismatchError(
@@ -484,7 +500,9 @@ class TrainingState:
             j = pairs.get(i)
             settings = saved_groups[j] if j is not None else group
             hyper = {k: _as_before(group.get(k), v) for k, v in settings.items() if k != "params"}
-            groups.append({**hyper, "params": names[i]})
+            # Settings this torch has and the saving one had not (a newer default) stay as they are.
+            kept_here = {k: v for k, v in group.items() if k != "params" and k not in hyper}
+            groups.append({**kept_here, **hyper, "params": names[i]})
         own = {fqn for group in names for fqn in group}
         kept = {fqn: value for fqn, value in state.items() if fqn in own}
         # Optimizer.load_state_dict maps the names in "params" to this optimizer's parameters in
@@ -638,7 +656,12 @@ class TrainingState:
                     fit.unexpected.append(key)
                 else:
                     by_fqn.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = fit.info(key)
-        fit.unexpected += [f"optim.state.{fqn}" for fqn in json_state if fqn not in own and fqn not in by_fqn]
+        listed = tuple(fit.unexpected)
+        fit.unexpected += [
+            f"optim.state.{fqn}"
+            for fqn in json_state
+            if fqn not in own and fqn not in by_fqn and not any(k.startswith(f"optim.state.{fqn}.") for k in listed)
+        ]
 
         pairs: dict[int, int] = {}
         if saved_meta is not None:
@@ -649,6 +672,18 @@ class TrainingState:
             fit.missing += [f"optim.param_groups.{i}" for i in range(len(names)) if i not in pairs]
             matched = set(pairs.values())
             fit.unexpected += [f"optim.param_groups.{j}" for j in range(len(saved_groups)) if j not in matched]
+            saved_class = saved_optim.get("class")
+            if isinstance(saved_class, str) and saved_class != _class_name(opt):
+                # Checkpoints written before the class was recorded are not checked.
+                fit.incompatible.append(
+                    (
+                        "optim",
+                        f"its optimizer state is {saved_class.rsplit('.', 1)[-1]}'s, not {type(opt).__name__}'s "
+                        f"({saved_class} vs {_class_name(opt)})",
+                    )
+                )
+            if fit.incompatible:
+                return None  # strict raises; otherwise the optimizer keeps its own state
 
         state_t: dict[str, Any] = {}
         state_m: dict[str, Any] = {}

@@ -144,6 +144,11 @@ def plan_prune(
         ranked.sort(key=lambda vs: (vs[0] if rules.best_mode == "min" else -vs[0], -vs[1]))
         for _, s in ranked[: rules.keep_best]:
             mark(s, f"best {rules.keep_best} by {metric}")
+        if not ranked:
+            # No checkpoint carries the metric (a typo, or metrics never passed): ranking by it
+            # would remove the best checkpoints unseen. Keep everything until one does.
+            for s in ordered:
+                mark(s, f"no checkpoint has metric {metric!r}")
     if rules.keep_younger_than is not None:
         if now is None:
             raise ValueError("keep_younger_than needs 'now'")

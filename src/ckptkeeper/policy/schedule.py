@@ -124,6 +124,12 @@ class RetentionBook(Generic[T]):
         self.to_remove.extend(superseded)
         return superseded
 
+    def forget(self, item: T) -> None:
+        """Drop every note of ``item`` (it is being saved again, maybe as another kind)."""
+        self.ephemerals = [i for i in self.ephemerals if i != item]
+        self.to_remove = [i for i in self.to_remove if i != item]
+        self.permanents = [i for i in self.permanents if i != item]
+
     def take_due(self) -> list[T]:
         """Hand over (and forget) everything queued for removal."""
         due, self.to_remove = self.to_remove, []

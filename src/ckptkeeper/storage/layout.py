@@ -26,6 +26,7 @@ __all__ = [
     "COMMIT_RECORD",
     "INTENT_DIR",
     "LEASE_FILE",
+    "MAX_STEP",
     "MODEL_DIR",
     "TMP_PREFIX",
     "TRAIN_DIR",
@@ -52,6 +53,10 @@ _STEP_RE = re.compile(r"step(0|[1-9][0-9]{0,18})")
 _SCRATCH_RE = re.compile(r"\.(tmp|trash)-step(0|[1-9][0-9]{0,18})-[0-9a-f]{8}")
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}|\.[A-Za-z0-9_][A-Za-z0-9._-]{0,253}")
 _MAX_DEPTH = 8
+
+
+MAX_STEP = 1 << 62
+"""The largest step a checkpoint may have (what commit records accept)."""
 
 
 def step_dir_name(step: int) -> str:
