@@ -52,6 +52,7 @@ from .policy import (
     RetentionRules,
     SaveKind,
     decide_save,
+    decide_timed_save,
     needs_final_save,
     plan_prune,
     removable_from_earlier_runs,
@@ -513,11 +514,10 @@ class CheckpointManager:
         if step == self._latest_step:
             return None  # called twice for one step (a framework hook, say): it is saved already
         kind = decide_save(self.config, step, self._latest_step, skip_ephemeral)
-        if kind is None and self.save_every_seconds is not None and not skip_ephemeral and step != self._latest_step:
-            elapsed = time.monotonic() - self._last_save_time
+        if kind is None and self.save_every_seconds is not None:
             # Rank 0's clock decides: ranks must start the same saves.
-            if D.on_rank0(lambda: elapsed >= (self.save_every_seconds or 0)):
-                kind = SaveKind.ephemeral
+            elapsed = D.on_rank0(lambda: time.monotonic() - self._last_save_time)
+            kind = decide_timed_save(kind, self.save_every_seconds, elapsed, skip_ephemeral)
         if kind is None:
             return None
         return self._save(kind, metrics=metrics)

@@ -11,6 +11,7 @@ from ckptkeeper.policy import (
     RetentionBook,
     SaveKind,
     decide_save,
+    decide_timed_save,
     needs_final_save,
     removable_from_earlier_runs,
     wants_pre_train_save,
@@ -116,3 +117,20 @@ def test_retention_book_supersedes_only_on_ephemeral_saves() -> None:
     assert book.take_due() == []
     assert book.ephemerals == ["e16"]
     assert book.permanents == ["p10"]
+
+
+@pytest.mark.parametrize(
+    ("scheduled", "every", "elapsed", "blocked", "want"),
+    [
+        (None, None, 1e9, False, None),  # no timer
+        (None, 60.0, 59.9, False, None),  # not yet
+        (None, 60.0, 60.0, False, SaveKind.ephemeral),  # due
+        (None, 60.0, 600.0, True, None),  # ephemerals blocked at this step
+        (SaveKind.permanent, 60.0, 600.0, False, SaveKind.permanent),  # the schedule's save stands
+        (SaveKind.ephemeral, 60.0, 1.0, False, SaveKind.ephemeral),
+    ],
+)
+def test_the_wall_clock_trigger(
+    scheduled: SaveKind | None, every: float | None, elapsed: float, blocked: bool, want: SaveKind | None
+) -> None:
+    assert decide_timed_save(scheduled, every, elapsed, blocked) == want

@@ -18,6 +18,7 @@ __all__ = [
     "RetentionBook",
     "SaveKind",
     "decide_save",
+    "decide_timed_save",
     "is_permanent_step",
     "needs_final_save",
     "removable_from_earlier_runs",
@@ -68,6 +69,20 @@ def wants_pre_train_save(cfg: CheckpointPolicyConfig, step: int, checkpoint_load
     if cfg.pre_train_checkpoint is None:
         return not checkpoint_loaded
     return cfg.pre_train_checkpoint
+
+
+def decide_timed_save(
+    scheduled: SaveKind | None,
+    save_every_seconds: float | None,
+    seconds_since_last_save: float,
+    ephemeral_blocked: bool = False,
+) -> SaveKind | None:
+    """The wall-clock trigger on top of :func:`decide_save`: an ephemeral save once
+    ``save_every_seconds`` have passed since the last save, when the schedule saves nothing at
+    this step (and ephemerals are not blocked). ``scheduled`` is what :func:`decide_save` said."""
+    if scheduled is not None or save_every_seconds is None or ephemeral_blocked:
+        return scheduled
+    return SaveKind.ephemeral if seconds_since_last_save >= save_every_seconds else None
 
 
 def needs_final_save(step: int, latest_checkpoint_step: int) -> bool:
