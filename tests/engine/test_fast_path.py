@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ckptkeeper import Checkpointer, ConfigurationError, CorruptCheckpointError, TrainingState, state_digest
+from ckptkeeper.engine import discovery
 from ckptkeeper.engine.fastio import can_use_fast_path, write_fast
 
 
@@ -41,7 +42,9 @@ def test_saves_use_the_fast_path_and_record_a_checksummed_layout(tmp_path: Path)
     ckpt = Checkpointer()
     ckpt.save(str(tmp_path), 1, _state())
     record = ckpt.verify(str(tmp_path / "step1"))
-    segments = record.extra["layout"]["model_and_optim/__0_0.distcp"]
+    # The segment table is a checksummed file of the checkpoint, not part of the record.
+    assert "layout" not in record.extra and discovery.LAYOUT_FILE in record.files
+    segments = discovery.read_layout(str(tmp_path / "step1"), record)["model_and_optim/__0_0.distcp"]
     assert {row[0] for row in segments} == {"head", "data", "tail"}
     # The segments tile the data file exactly: every byte is covered by one checksum.
     spans = sorted((row[2], row[3]) for row in segments)
@@ -112,3 +115,26 @@ def test_cuda_tensors_are_staged_in_pinned_memory(tmp_path: Path) -> None:
     Checkpointer().load(path, TrainingState(restored))
     assert torch.equal(restored.weight, before["weight"])
     ckpt.close()
+
+
+def test_checkpoints_with_the_layout_inline_in_the_record_still_load(tmp_path: Path) -> None:
+    # What 0.2 wrote: the segment table inside the commit record, no file of its own.
+    import json
+
+    from ckptkeeper.engine.record import CommitRecord
+    from ckptkeeper.storage.layout import COMMIT_RECORD
+
+    from ..helpers import forge
+
+    src = _state(0)
+    Checkpointer().save(str(tmp_path), 3, src)
+    folder = tmp_path / "step3"
+    table = json.loads((folder / discovery.LAYOUT_FILE).read_bytes())
+    rec = CommitRecord.from_json((folder / COMMIT_RECORD).read_bytes(), "x")
+    files = {k: v for k, v in rec.files.items() if k != discovery.LAYOUT_FILE}
+    (folder / discovery.LAYOUT_FILE).unlink()
+    forge(folder, files=files, extra={**rec.extra, "layout": table})
+    dst = _state(1)
+    Checkpointer().load(str(folder), dst)
+    assert state_digest(dst.model, dst.optimizer) == state_digest(src.model, src.optimizer)
+    assert Checkpointer().verify(str(folder)).extra["layout"] == table

@@ -175,23 +175,27 @@ def test_hostile_commit_records_never_break_listing_or_resume(
 
 
 def test_a_flip_inside_the_segment_layout_fails_verify(tmp_path: Path) -> None:
+    import json
+
+    from ckptkeeper.engine.discovery import LAYOUT_FILE
+
     ckpt = Checkpointer()
     ckpt.save(str(tmp_path), 1, _state())
-    rec_path = tmp_path / "step1" / COMMIT_RECORD
-    raw = bytearray(rec_path.read_bytes())
-    at = raw.index(b'"layout"') + 40
-    raw[at] ^= 0x01
-    rec_path.write_bytes(bytes(raw))
+    table = tmp_path / "step1" / LAYOUT_FILE
+    raw = bytearray(table.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    table.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError):
         ckpt.verify(str(tmp_path / "step1"))
-    # A forged layout (record re-signed) is caught by comparing it with DCP's checksummed metadata.
+    # A forged layout (file rewritten, record re-signed) is caught by comparing it with DCP's
+    # checksummed metadata.
     Checkpointer().save(str(tmp_path), 2, _state())
-    rec = CommitRecord.from_json((tmp_path / "step2" / COMMIT_RECORD).read_bytes(), "x")
-    rows = [list(r) for r in rec.extra["layout"]["model_and_optim/__0_0.distcp"]]
+    doc = json.loads((tmp_path / "step2" / LAYOUT_FILE).read_bytes())
+    rows = [list(r) for r in doc["model_and_optim/__0_0.distcp"]]
     rows[1][3] -= 4
     rows[2][2] -= 4
     rows[2][3] += 4
-    forge(tmp_path / "step2", extra={"layout": {"model_and_optim/__0_0.distcp": rows}})
+    forge(tmp_path / "step2", LAYOUT_FILE, json.dumps({"model_and_optim/__0_0.distcp": rows}).encode())
     with pytest.raises(CorruptCheckpointError, match=r"disagrees with the DCP metadata|shape needs"):
         ckpt.verify(str(tmp_path / "step2"))
     dst = _state(9)

@@ -47,16 +47,19 @@ from .record import (
 __all__ = [
     "FLAVOR_CKPTKEEPER",
     "FLAVOR_OLMO_CORE",
+    "LAYOUT_FILE",
     "OLMO_CORE_NOTE",
     "CheckpointInfo",
     "OlmoCoreRecord",
     "check_file",
     "check_olmo_core",
     "flavor_of",
+    "has_layout",
     "inspect",
     "list_checkpoints",
     "parse_olmo_marker",
     "read_any_record",
+    "read_layout",
     "read_metadata_of",
     "read_olmo_train_state",
     "read_record",
@@ -358,7 +361,7 @@ def verify_structure(path: str, record: CommitRecord) -> None:
         if rel.startswith(TRAIN_DIR + "/") and rel.endswith(".json"):
             loads_bounded(small(rel, MAX_STATE_BYTES), f"{path}/{rel}", max_bytes=MAX_STATE_BYTES, max_depth=64,
                           allow_nonfinite=True)  # fmt: skip
-    layout = record.extra.get("layout")
+    layout = read_layout(path, record)
     if layout is not None:
         rel = f"{MODEL_DIR}/{DATA_FILE}"
         try:
@@ -369,6 +372,33 @@ def verify_structure(path: str, record: CommitRecord) -> None:
             raise CorruptCheckpointError(
                 f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
             ) from None
+
+
+LAYOUT_FILE = f"{MODEL_DIR}/.ckptkeeper-layout.json"
+"""The fast writer's segment table (one row per tensor), a file of the checkpoint listed in its
+record, so the record stays small whatever the number of tensors (``ls`` reads only records)."""
+
+MAX_LAYOUT_BYTES = 256 << 20
+
+
+def has_layout(record: CommitRecord) -> bool:
+    """Whether the checkpoint was written by the fast writer (it has a segment table)."""
+    return "layout" in record.extra or LAYOUT_FILE in record.files
+
+
+def read_layout(path: str, record: CommitRecord, local: str | None = None) -> Any:
+    """The fast writer's segment table ``{data file: rows}``, or None for a DCP-written checkpoint.
+
+    Read from its own file (checksum-checked, bounded) at ``local`` (a downloaded copy) or ``path``;
+    checkpoints written before the table had a file of its own carry it inline in the record.
+    """
+    inline = record.extra.get("layout")
+    if inline is not None:
+        return inline
+    if LAYOUT_FILE not in record.files:
+        return None
+    data = read_small(local or path, LAYOUT_FILE, MAX_LAYOUT_BYTES, record.files[LAYOUT_FILE])
+    return loads_bounded(data, f"{path}/{LAYOUT_FILE}", max_bytes=MAX_LAYOUT_BYTES, max_depth=8)
 
 
 def verify_note(path: str) -> str | None:

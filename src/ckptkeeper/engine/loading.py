@@ -96,12 +96,12 @@ def load(
                     return discovery.read_any_record(path)
                 record = discovery.verify(path, checksums=False, structure=False)
                 # Fast-path files are checked segment by segment while they are read.
-                if ck.verify_checksums and "layout" not in record.extra:
+                if ck.verify_checksums and not discovery.has_layout(record):
                     discovery.verify_checksums(path, record)
                 return record
 
             record = agree(check, None, pg, load_error)[rank]
-            verified = ck.verify_checksums and "layout" not in record.extra
+            verified = ck.verify_checksums and not discovery.has_layout(record)
         train_state = _load_verified(ck, path, local, record, state, verified, check_train_state)
         emit("load", path=path, step=record.step, bytes=record.total_bytes, files=len(record.files),
              seconds=time.perf_counter() - t0, retries=getattr(storage, "retries", 0) - retries_before)  # fmt: skip
@@ -151,7 +151,7 @@ def _load_verified(
     # Where each tensor goes, checked against the metadata (and state.strict) before anything is read.
     plan = state.plan_load(saved_tensors(metadata), None if olmo else doc.get("state_meta", {}), path)
     tensors, same_dtypes = plan.tensors, plan.same_dtypes
-    layout = record.extra.get("layout")
+    layout = discovery.read_layout(path, record, local)
     rows = layout.get(f"{MODEL_DIR}/{DATA_FILE}") if isinstance(layout, dict) else None
     fast = rows is not None and world == 1 and same_dtypes and can_use_fast_path(tensors)
     by_fqn = None

@@ -32,6 +32,7 @@ from ..storage.layout import COMMIT_RECORD, MAX_STEP, MODEL_DIR, step_dir_name, 
 from ..storage.local import translate_os_error
 from .agreement import agree, unwrap
 from .commit import CommitMethod
+from .discovery import LAYOUT_FILE
 from .fastio import DATA_FILE, Segment, can_use_fast_path, write_fast
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
@@ -184,7 +185,11 @@ def write_checkpoint(
         if out is not None:
             fast_files, segments = out
             written.update({f"{MODEL_DIR}/{k}": v for k, v in fast_files.items()})
-            extra["layout"] = {f"{MODEL_DIR}/{DATA_FILE}": [seg.to_json() for seg in segments]}
+            # The segment table goes in a file of its own (hashed with this rank's files): in the
+            # record it would grow with the number of tensors, and ls reads every record.
+            table = {f"{MODEL_DIR}/{DATA_FILE}": [seg.to_json() for seg in segments]}
+            with translate_os_error(work):
+                storage_for(work).write_bytes(os.path.join(work, LAYOUT_FILE), json.dumps(table).encode())
 
     def finish_own_files() -> dict[str, FileEntry]:
         enter("writing trainer state")

@@ -100,18 +100,25 @@ class LocalStorage(Storage):
 
     def walk(self, prefix: str) -> Iterator[FileInfo]:
         # Regular files only: a symlink inside a checkpoint (to a file or a folder) is never
-        # followed, so a checkpoint that holds one is simply missing that file.
-        root = _strip(prefix)
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            for name in sorted(filenames):
-                full = os.path.join(dirpath, name)
+        # followed, so a checkpoint that holds one is simply missing that file. scandir's entries
+        # carry their own lstat and the relative path is built as we go: a folder of a thousand
+        # ranks' files lists in milliseconds (os.walk + relpath took several times longer).
+        def scan(folder: str, rel: str) -> Iterator[FileInfo]:
+            try:
+                entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            except OSError:  # gone, not a folder, unreadable: nothing to list (as os.walk)
+                return
+            for entry in entries:
                 try:
-                    st = os.lstat(full)
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if stat.S_ISREG(st.st_mode):
-                    yield FileInfo(os.path.relpath(full, root).replace(os.sep, "/"), st.st_size)
+                if stat.S_ISDIR(st.st_mode):
+                    yield from scan(entry.path, f"{rel}{entry.name}/")
+                elif stat.S_ISREG(st.st_mode):
+                    yield FileInfo(f"{rel}{entry.name}", st.st_size)
+
+        yield from scan(_strip(prefix), "")
 
     def size(self, path: str) -> int:
         return os.path.getsize(_strip(path))
