@@ -51,6 +51,8 @@ __all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "parse_layout", "read_fa
 
 DATA_FILE = "__0_0.distcp"
 _CHUNK = 64 << 20
+_SMALL_PIECE = 1 << 20  # pieces below this are joined with their neighbours into one write...
+_RUN_BYTES = 8 << 20  # ...of up to this many bytes
 _CRC_LOCK = threading.Lock()
 _SKELETONS: dict[tuple[tuple[int, ...], torch.dtype], tuple[bytes, bytes]] = {}
 
@@ -193,6 +195,32 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += n
 
 
+def _coalesce(pieces: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview | bytes]]:
+    """Adjacent small pieces joined into one write each (a copy of small bytes is cheaper than a
+    thread-pool job and a system call per tensor header); large pieces are written as they are."""
+    out: list[tuple[int, memoryview | bytes]] = []
+    run: list[memoryview] = []
+    run_start = run_end = 0
+
+    def flush() -> None:
+        if run:
+            out.append((run_start, run[0] if len(run) == 1 else b"".join(run)))
+            run.clear()
+
+    for start, view in sorted(pieces, key=lambda p: p[0]):
+        if len(view) >= _SMALL_PIECE:
+            flush()
+            out.append((start, view))
+            continue
+        if not run or start != run_end or (run_end - run_start) + len(view) > _RUN_BYTES:
+            flush()
+            run_start = start
+        run.append(view)
+        run_end = start + len(view)
+    flush()
+    return out
+
+
 def write_fast(model_dir: str, tree: Mapping[str, Any], threads: int = 2) -> tuple[dict[str, FileEntry], list[Segment]]:
     """Write ``tree`` (plain CPU tensors) as a stock DCP checkpoint in ``model_dir``.
 
@@ -222,13 +250,14 @@ def write_fast(model_dir: str, tree: Mapping[str, Any], threads: int = 2) -> tup
                 pieces.append((start + len(head) + i, data[i : i + _CHUNK]))
             pieces.append((start + len(head) + len(data), memoryview(tail)))
 
-        def write_piece(piece: tuple[int, memoryview]) -> None:
-            _pwrite_all(fd, piece[1], piece[0])
+        def write_piece(piece: tuple[int, memoryview | bytes]) -> None:
+            _pwrite_all(fd, memoryview(piece[1]), piece[0])
 
         segments: list[Segment] = []
         whole = new_hasher()
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-write") as pool:
-            pending = [pool.submit(write_piece, p) for p in sorted(pieces, key=lambda p: -len(p[1]))]
+            jobs = _coalesce(pieces)
+            pending = [pool.submit(write_piece, p) for p in sorted(jobs, key=lambda p: -len(p[1]))]
             # Hash while the writers run: one sequential pass over the same memory, GIL released.
             for fqn, _, _, head, data, tail, start in items:
                 for kind, view, off in (
