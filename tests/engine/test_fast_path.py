@@ -164,3 +164,18 @@ def test_small_pieces_are_written_together_and_read_back_exactly(tmp_path: Path)
     dcp_load(stock, storage_reader=FileSystemReader(str(tmp_path / "step1" / "model_and_optim")), no_dist=True)
     for k, v in tree["model"].items():
         assert torch.equal(back["model"][k], v) and torch.equal(stock["model"][k], v), k
+    # A flipped byte in one small tensor of a run fails the load and leaves every tensor as it was.
+    from ckptkeeper import CorruptCheckpointError
+    from ckptkeeper.engine import discovery as disc
+
+    record = Checkpointer().read_record(str(tmp_path / "step1"))
+    seg = next(r for r in disc.read_layout(str(tmp_path / "step1"), record)["model_and_optim/__0_0.distcp"]
+               if r[0] == "data" and r[1] == "model.t1500")  # fmt: skip
+    data_file = tmp_path / "step1" / "model_and_optim" / "__0_0.distcp"
+    raw = bytearray(data_file.read_bytes())
+    raw[seg[2] + 1] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    fresh = {"model": {k: torch.full_like(v, 7.0) for k, v in tree["model"].items()}}
+    with pytest.raises(CorruptCheckpointError, match=r"model\.t1500"):
+        Checkpointer().load(str(tmp_path / "step1"), _FixedState(fresh))
+    assert all(bool((v == 7.0).all()) for v in fresh["model"].values())
