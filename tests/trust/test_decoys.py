@@ -148,3 +148,32 @@ def test_spools_of_dead_processes_are_swept(tmp_path: Path) -> None:
     mine = new_spool(str(tmp_path), "load")  # this live process's spool stays
     assert sweep_dead_spools(str(tmp_path)) == []  # new_spool already swept the orphan
     assert not orphan.exists() and unmarked.exists() and os.path.isdir(mine)
+
+
+def test_an_object_store_removal_cut_short_is_finished_by_the_next_clean_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptkeeper.engine.deleter import clean_save_folder, remove_checkpoint
+    from ckptkeeper.storage.memory import MemoryStorage
+
+    from ..helpers import small_state
+
+    folder = "memory://cut-short"
+    Checkpointer().save(folder, 6, small_state())
+    storage = storage_for(folder)
+    real = MemoryStorage.remove_files
+    calls: list[list[str]] = []
+
+    def crash_after_first_batch(self: MemoryStorage, paths: list[str]) -> int:
+        calls.append(paths)
+        if len(calls) > 1:
+            raise RuntimeError("killed")  # the process dies between the data and the intents
+        return real(self, paths)
+
+    monkeypatch.setattr(MemoryStorage, "remove_files", crash_after_first_batch)
+    with pytest.raises(RuntimeError):
+        remove_checkpoint(storage.join(folder, "step6"))
+    assert all("/.ckptkeeper/" not in p for p in calls[0])  # data first, the intents last
+    monkeypatch.setattr(MemoryStorage, "remove_files", real)
+    left = [f.relpath for f in storage.walk(storage.join(folder, "step6"))]
+    assert left and all(rel.startswith(".ckptkeeper/") for rel in left)  # only the intents are left...
+    clean_save_folder(folder)  # ...and they prove the rest ours: the next start finishes the job
+    assert not list(storage.walk(storage.join(folder, "step6")))

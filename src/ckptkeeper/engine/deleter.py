@@ -210,7 +210,11 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
     def delete_remote() -> None:
         t0 = time.perf_counter()
         before = getattr(storage, "retries", 0)
-        n = storage.remove_files(doomed)
+        # The upload intents go last: a removal cut short (a crash, a kill) leaves objects that
+        # the intents still announce, so the next run's clean-up can prove them ours and finish.
+        marker = f"/{INTENT_DIR}/"
+        n = storage.remove_files([p for p in doomed if marker not in p])
+        n += storage.remove_files([p for p in doomed if marker in p])
         emit("remove", path=canon, step=step, files=n, bytes=None, seconds=time.perf_counter() - t0,
              retries=getattr(storage, "retries", 0) - before)  # fmt: skip
 
@@ -287,7 +291,8 @@ def clean_leftover(storage: Storage, final: str) -> int:
         log.info("aborted %d unfinished uploads under %s", aborted, final)
     present = {f.relpath for f in storage.walk(final)}
     doomed = [storage.join(final, rel) for rel in sorted(announced & present)]
-    storage.remove_files(doomed + intents)
+    storage.remove_files(doomed)
+    storage.remove_files(intents)  # last: a clean-up cut short can be finished by the next one
     return len(doomed) + len(intents)
 
 
