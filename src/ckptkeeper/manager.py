@@ -378,7 +378,7 @@ class CheckpointManager:
         set_rng_state(ts["rng"])
 
     def _resume(self) -> bool:
-        return self._first_good(self.load, "start from") is not None
+        return self._first_good(self.load) is not None
 
     def pick(self, accept: Callable[[str, dict[str, Any]], None] | None = None) -> tuple[str, dict[str, Any]] | None:
         """The checkpoint :meth:`restore` would load, and its trainer state, without loading it.
@@ -404,9 +404,9 @@ class CheckpointManager:
                 accept(path, usable)
             return usable
 
-        return self._first_good(verified, "pick")
+        return self._first_good(verified)
 
-    def _first_good(self, attempt: Callable[[str], _T], doing: str) -> tuple[str, _T] | None:
+    def _first_good(self, attempt: Callable[[str], _T]) -> tuple[str, _T] | None:
         """Try ``attempt`` on the folder's checkpoints, newest first, then on ``load_path``.
 
         The one place the fallback rules live (:meth:`restore` loads, :meth:`pick` verifies).
@@ -497,12 +497,7 @@ class CheckpointManager:
         the commit record of a checkpoint saved at this step (retention's ``keep_best`` ranks by
         them). ``skip_ephemeral`` skips an ephemeral save due at this step.
         """
-        self._check_step(step)
-        metrics = self._usable_metrics(step, metrics)
-        if not self._begun:
-            self.begin()
-        self.step = step
-        self.check_lease()
+        metrics = self._at_step(step, metrics)
         if not self.config.enabled:
             return None
         self._await_last(blocking=False)
@@ -538,12 +533,7 @@ class CheckpointManager:
         again, replacing it). Async when the policy's ``save_async`` is; ``wait=True`` returns only
         once the checkpoint is durable.
         """
-        self._check_step(step)
-        metrics = self._usable_metrics(step, metrics)
-        if not self._begun:
-            self.begin()
-        self.step = step
-        self.check_lease()
+        metrics = self._at_step(step, metrics)
         # Saved already at this step: nothing to write, unless forced or an ephemeral is to become
         # permanent (it would otherwise be removed once superseded).
         upgrade = self._latest_kind == SaveKind.ephemeral and not ephemeral
@@ -874,6 +864,16 @@ class CheckpointManager:
         return path
 
     # ------------------------------------------------------------------ checks
+
+    def _at_step(self, step: int, metrics: Mapping[str, float] | None) -> dict[str, float] | None:
+        """What save_if_due and save do first: check the step, start the schedule, move to the step."""
+        self._check_step(step)
+        usable = self._usable_metrics(step, metrics)
+        if not self._begun:
+            self.begin()
+        self.step = step
+        self.check_lease()
+        return usable
 
     def _check_step(self, step: int) -> None:
         if self._closed:

@@ -39,6 +39,8 @@ class CommitMethod(Protocol):
     """The steps of a save that depend on how the storage makes files visible."""
 
     storage: Storage
+    uploads: bool
+    """Whether :meth:`after_files` uploads this rank's files (the save's ``uploading`` stage)."""
 
     def work_folder(self, save_folder: str, step: int, token: str) -> str:
         """Where this rank writes the checkpoint's files before the commit (a local path)."""
@@ -67,6 +69,8 @@ class CommitMethod(Protocol):
 
 class RenameCommit:
     """Commit by renaming a finished hidden folder into place (local and shared filesystems)."""
+
+    uploads = False
 
     def __init__(self, storage: Storage, remove: Remove) -> None:
         self.storage = storage
@@ -98,6 +102,8 @@ class RenameCommit:
 
 class RecordLastCommit:
     """Commit by creating the commit record last, create-only (object stores)."""
+
+    uploads = True
 
     def __init__(self, storage: Storage, remove: Remove, spool_dir: str | None, upload_threads: int) -> None:
         self.storage = storage

@@ -197,7 +197,7 @@ def write_checkpoint(
             storage_for(work).write_bytes(os.path.join(work, train_state_name(rank)), payload)
         mine = _hash_own_files(work, rank, world, skip=set(written))
         mine.update(written)
-        if not storage.supports_rename:
+        if commit.uploads:
             enter("uploading")
         commit.after_files(work, final, rank, sorted(mine), token)
         return mine
@@ -211,7 +211,7 @@ def write_checkpoint(
         agree(prepare, step, pg)
         stage = "writing tensors"
         agree(write_tensors, step, pg)
-        stage = "writing trainer state and uploading" if not storage.supports_rename else "writing trainer state"
+        stage = "writing trainer state and uploading" if commit.uploads else "writing trainer state"
         for part in agree(finish_own_files, step, pg):
             files.update(part)
         stage = "publishing"
