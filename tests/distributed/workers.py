@@ -125,3 +125,84 @@ def train_while_a_rank_dies(rank: int, folder: str) -> str:
         max_steps=9, callbacks=[cb], checkpointer=faulty_checkpointer(rank=1, step=4, vanish=True),
     ).fit()  # fmt: skip
     return "finished"
+
+
+def _wide(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """An FSDP2 model whose shards are large (read straight into place) and small and uneven
+    (5 and 7 rows over 2 or 3 ranks: read through a buffer, resharded piece by piece)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(1024, 512), nn.GELU(), nn.Linear(512, 5), nn.Linear(5, 7))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the training state, whole (shards gathered), on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    from ckptkeeper.engine.state import flatten_tensors
+
+    tensors, _ = TrainingState(model, opt).capture()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in flatten_tensors(tensors)}
+
+
+class _Events:
+    """Collects the metrics events this process emits."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.events: list[dict[str, Any]] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: self.events.append(record.ckptkeeper_event)  # type: ignore[method-assign, attr-defined]
+        logger = logging.getLogger("ckptkeeper.metrics")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+
+
+def save_wide(rank: int, folder: str, reference: str) -> list[str]:
+    """Save a trained FSDP2 state at step 5; rank 0 keeps its whole tensors in ``reference``."""
+    model, opt = _wide(seed=0)
+    model(torch.randn(4, 1024) * (rank + 1)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer()
+    ckpt.save(folder, 5, TrainingState(model, opt))
+    full = _full_state(model, opt)
+    if rank == 0:
+        torch.save(full, reference)
+    ckpt.close()
+    return sorted(ckpt.verify(f"{folder}/step5").files)
+
+
+def load_wide(rank: int, path: str, reference: str) -> dict[str, Any]:
+    """Load ``path`` into a differently initialised FSDP2 state; compare whole tensors with ``reference``."""
+    model, opt = _wide(seed=1)
+    before = _full_state(model, opt)
+    events = _Events()
+    ckpt = Checkpointer()
+    try:
+        ckpt.load(path, TrainingState(model, opt))
+    except Exception as exc:
+        after = _full_state(model, opt)
+        unchanged = set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+        return {"error": type(exc).__name__, "message": str(exc), "unchanged": unchanged}
+    finally:
+        ckpt.close()
+    full = _full_state(model, opt)
+    ref = torch.load(reference, weights_only=True)
+    load = [e for e in events.events if e["event"] == "load"][-1]
+    return {
+        "equal": set(full) == set(ref) and all(torch.equal(full[k], ref[k]) for k in ref),
+        "keys": len(ref),
+        "reader": load["reader"],
+        "fetched": load["fetched"],
+        "bytes": load["bytes"],
+    }

@@ -63,7 +63,9 @@ __all__ = [
     "read_metadata_of",
     "read_olmo_train_state",
     "read_record",
+    "read_segment_rows",
     "read_small",
+    "segment_tables",
     "verify",
     "verify_checksums",
     "verify_note",
@@ -337,7 +339,7 @@ def verify(path: str, checksums: bool = True, structure: bool = True) -> CommitR
 
 def verify_structure(path: str, record: CommitRecord) -> None:
     """Decode the small files (after checking their checksums) and check the data file's layout."""
-    from .fastio import DATA_FILE, parse_layout
+    from .fastio import parse_layout
     from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 
     storage = storage_for(path)
@@ -361,13 +363,12 @@ def verify_structure(path: str, record: CommitRecord) -> None:
         if rel.startswith(TRAIN_DIR + "/") and rel.endswith(".json"):
             loads_bounded(small(rel, MAX_STATE_BYTES), f"{path}/{rel}", max_bytes=MAX_STATE_BYTES, max_depth=64,
                           allow_nonfinite=True)  # fmt: skip
-    layout = read_layout(path, record)
-    if layout is not None:
-        rel = f"{MODEL_DIR}/{DATA_FILE}"
+    for data_file in segment_tables(record):
+        rel = f"{MODEL_DIR}/{data_file}"
         try:
-            if not isinstance(layout, dict) or set(layout) != {rel} or rel not in record.files:
-                raise ValueError("the layout does not describe this checkpoint's data file")
-            parse_layout(layout[rel], record.files[rel].bytes, metadata)
+            if rel not in record.files:
+                raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
+            parse_layout(read_segment_rows(path, record, data_file), record.files[rel].bytes, metadata, data_file)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(
                 f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
@@ -382,8 +383,43 @@ MAX_LAYOUT_BYTES = 256 << 20
 
 
 def has_layout(record: CommitRecord) -> bool:
-    """Whether the checkpoint was written by the fast writer (it has a segment table)."""
-    return "layout" in record.extra or LAYOUT_FILE in record.files
+    """Whether the checkpoint was written by the fast writer (it has segment tables)."""
+    from .sharded import iter_layout_files
+
+    return "layout" in record.extra or LAYOUT_FILE in record.files or any(iter_layout_files(record.files))
+
+
+def segment_tables(record: CommitRecord) -> dict[str, str | None]:
+    """For each data file (name inside ``model_and_optim``) with a segment table: the table's
+    file (None: inline in a 0.2 record). Single-process checkpoints have one, others one per rank."""
+    from .fastio import DATA_FILE
+    from .sharded import iter_layout_files
+
+    out: dict[str, str | None] = {data: rel for rel, data in iter_layout_files(record.files)}
+    if "layout" in record.extra:
+        out[DATA_FILE] = None
+    elif LAYOUT_FILE in record.files:
+        out[DATA_FILE] = LAYOUT_FILE
+    return out
+
+
+def read_segment_rows(path: str, record: CommitRecord, data_file: str, local: str | None = None) -> Any:
+    """The segment rows of ``data_file`` (checksum-checked, bounded), or None when it has no table."""
+    tables = segment_tables(record)
+    if data_file not in tables:
+        return None
+    rel = tables[data_file]
+    if rel is None or rel == LAYOUT_FILE:
+        table = read_layout(path, record, local)
+    else:
+        data = read_small(local or path, rel, MAX_LAYOUT_BYTES, record.files[rel])
+        table = loads_bounded(data, f"{path}/{rel}", max_bytes=MAX_LAYOUT_BYTES, max_depth=8)
+    if not isinstance(table, dict) or set(table) != {f"{MODEL_DIR}/{data_file}"}:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is corrupt: the segment table of {data_file} describes other files; load an "
+            "earlier checkpoint or restore this one from a copy"
+        )
+    return table[f"{MODEL_DIR}/{data_file}"]
 
 
 def read_layout(path: str, record: CommitRecord, local: str | None = None) -> Any:

@@ -84,8 +84,10 @@ class Segment:
         return cls(kind, fqn, offset, length, digest)
 
 
-def parse_layout(rows: Any, file_size: int, metadata: Any) -> dict[str, dict[str, Segment]]:
+def parse_layout(rows: Any, file_size: int, metadata: Any, data_file: str = DATA_FILE) -> dict[str, dict[str, Segment]]:
     """Check a data file's layout against its size and DCP's metadata; returns segments by tensor.
+
+    ``data_file`` is the file's name inside ``model_and_optim`` (each rank writes its own).
 
     The segments must tile the file exactly (head, data, tail of each tensor, in order) and each
     tensor's byte range must be the one DCP's (checksummed) ``.metadata`` gives, so a layout that
@@ -112,9 +114,13 @@ def parse_layout(rows: Any, file_size: int, metadata: Any) -> dict[str, dict[str
     if pos != file_size:
         raise ValueError(f"the layout covers {pos} bytes, the data file has {file_size}")
     ranges = {}
+    shapes = {}
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-        if info.relative_path == DATA_FILE:
+        if info.relative_path == data_file:
+            if index.fqn in ranges:
+                raise ValueError(f"the DCP metadata puts two pieces of {index.fqn[:80]!r} in {data_file}")
             ranges[index.fqn] = (info.offset, info.length)
+            shapes[index.fqn] = _chunk_sizes(metadata, index)
     expected = {
         f: (s["head"].offset, s["head"].length + s["data"].length + s["tail"].length) for f, s in by_fqn.items()
     }
@@ -122,15 +128,24 @@ def parse_layout(rows: Any, file_size: int, metadata: Any) -> dict[str, dict[str
         raise ValueError("the layout disagrees with the DCP metadata about where tensors are")
     for fqn, segs in by_fqn.items():
         md = metadata.state_dict_metadata.get(fqn)
-        size = getattr(md, "size", None)
         props = getattr(md, "properties", None)
         dtype = getattr(props, "dtype", None)
+        size = shapes[fqn]
         if size is None or not isinstance(dtype, torch.dtype):
             raise ValueError(f"the DCP metadata has no tensor entry for {fqn[:80]!r}")
         want = math.prod(size) * torch.empty((), dtype=dtype).element_size()
         if segs["data"].length != want:
             raise ValueError(f"{fqn[:80]!r}: the layout holds {segs['data'].length} bytes, its shape needs {want}")
     return by_fqn
+
+
+def _chunk_sizes(metadata: Any, index: Any) -> tuple[int, ...] | None:
+    """The sizes of the stored piece ``index`` names (a whole tensor, or one rank's shard of it)."""
+    md = metadata.state_dict_metadata.get(index.fqn)
+    for chunk in getattr(md, "chunks", None) or ():
+        if tuple(chunk.offsets) == tuple(index.offset):
+            return tuple(int(n) for n in chunk.sizes)
+    return None
 
 
 def _leaves(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[str, tuple[str, ...], Any]]:
@@ -175,7 +190,8 @@ def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes]:
     return pair
 
 
-def _exact(t: torch.Tensor) -> torch.Tensor:
+def exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is contiguous and owns exactly its storage, else a compact copy."""
     t = t.detach()
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
@@ -228,23 +244,57 @@ def write_fast(model_dir: str, tree: Mapping[str, Any], threads: int = 2) -> tup
     the layout of the data file with a checksum per segment.
     """
     os.makedirs(model_dir, exist_ok=True)
+    leaves = [(fqn, path, exact(value)) for fqn, path, value in _leaves(tree)]
+    entry, segments, starts = write_items(os.path.join(model_dir, DATA_FILE), [(f, t) for f, _, t in leaves], threads)
+    items = [
+        (fqn, path, t, start, segs)
+        for (fqn, path, t), start, segs in zip(leaves, starts, _trios(segments), strict=True)
+    ]
+    metadata = _metadata(items, model_dir)
+    meta_bytes = pickle.dumps(metadata)
+    return {DATA_FILE: entry, ".metadata": write_synced(os.path.join(model_dir, ".metadata"), meta_bytes)}, segments
+
+
+def write_synced(path: str, data: bytes) -> FileEntry:
+    """Write a small file, fsync it, and return its size and checksum."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    h = new_hasher()
+    h.update(data)
+    return FileEntry(len(data), h.hexdigest())
+
+
+def _trios(segments: list[Segment]) -> Iterator[list[Segment]]:
+    for i in range(0, len(segments), 3):
+        yield segments[i : i + 3]
+
+
+def write_items(
+    data_path: str, tensors: list[tuple[str, torch.Tensor]], threads: int = 2
+) -> tuple[FileEntry, list[Segment], list[int]]:
+    """Write each tensor as one ``torch.save`` blob, one after another, into a new file at ``data_path``.
+
+    Tensors must be contiguous CPU tensors that own their storage exactly (see :func:`exact`).
+    Returns the file's size and checksum, its segments (head, data, tail of each tensor, in
+    order, each with its checksum) and where each tensor's blob starts.
+    """
     items = []
     offset = 0
-    for fqn, path, value in _leaves(tree):
-        t = _exact(value)
+    for fqn, t in tensors:
         head, tail = _skeleton(t)
         data = _bytes_of(t)
-        items.append((fqn, path, t, head, data, tail, offset))
+        items.append((fqn, head, data, tail, offset))
         offset += len(head) + len(data) + len(tail)
     total = offset
-    data_path = os.path.join(model_dir, DATA_FILE)
     fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         if total:
             # Reserve the space first: a full disk fails here, before any byte is written.
             os.posix_fallocate(fd, 0, total)
         pieces: list[tuple[int, memoryview]] = []
-        for _, _, _, head, data, tail, start in items:
+        for _, head, data, tail, start in items:
             pieces.append((start, memoryview(head)))
             for i in range(0, len(data), _CHUNK):
                 pieces.append((start + len(head) + i, data[i : i + _CHUNK]))
@@ -259,7 +309,7 @@ def write_fast(model_dir: str, tree: Mapping[str, Any], threads: int = 2) -> tup
             jobs = _coalesce(pieces)
             pending = [pool.submit(write_piece, p) for p in sorted(jobs, key=lambda p: -len(p[1]))]
             # Hash while the writers run: one sequential pass over the same memory, GIL released.
-            for fqn, _, _, head, data, tail, start in items:
+            for fqn, head, data, tail, start in items:
                 for kind, view, off in (
                     ("head", memoryview(head), start),
                     ("data", data, start + len(head)),
@@ -275,28 +325,14 @@ def write_fast(model_dir: str, tree: Mapping[str, Any], threads: int = 2) -> tup
         os.fsync(fd)
     finally:
         os.close(fd)
-
-    metadata = _metadata(items, model_dir)
-    meta_bytes = pickle.dumps(metadata)
-    meta_path = os.path.join(model_dir, ".metadata")
-    with open(meta_path, "wb") as f:
-        f.write(meta_bytes)
-        f.flush()
-        os.fsync(f.fileno())
-    mh = new_hasher()
-    mh.update(meta_bytes)
-    files = {
-        DATA_FILE: FileEntry(total, whole.hexdigest()),
-        ".metadata": FileEntry(len(meta_bytes), mh.hexdigest()),
-    }
-    return files, segments
+    return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
 
 
 def _metadata(items: list[Any], model_dir: str) -> Metadata:
     sd_meta: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     planner: dict[str, Any] = {}
-    for fqn, path, t, head, data, tail, start in items:
+    for fqn, path, t, start, segs in items:
         zeros = torch.Size([0] * t.dim())
         sd_meta[fqn] = TensorStorageMetadata(
             properties=TensorProperties.create_from_tensor(t),
@@ -304,7 +340,7 @@ def _metadata(items: list[Any], model_dir: str) -> Metadata:
             chunks=[ChunkStorageMetadata(offsets=zeros, sizes=t.size())],
         )
         storage[MetadataIndex(fqn=fqn, offset=zeros, index=0)] = _StorageInfo(
-            DATA_FILE, start, len(head) + len(data) + len(tail)
+            DATA_FILE, start, sum(seg.length for seg in segs)
         )
         planner[fqn] = path
     return Metadata(

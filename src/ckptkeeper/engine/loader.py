@@ -24,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CorruptCheckpointError
+from ..storage import is_url, storage_for
 from ..storage.layout import MODEL_DIR, train_state_name
 from ..storage.local import open_regular
 from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, loads_bounded
@@ -46,12 +47,21 @@ def read_verified(local: str, rel: str, entry: FileEntry, where: str, max_bytes:
     """The bytes of one small checkpoint file, checked against its record entry before use.
 
     The file is opened without following a final symlink and never read past the listed size.
+    ``local`` may also be the checkpoint's object-store URL (read in place).
     """
     if entry.bytes > max_bytes:
         raise CorruptCheckpointError(
             f"checkpoint {where} is corrupt: {rel} is listed with {entry.bytes} bytes, more than the "
             f"{max_bytes} ckptkeeper reads for it"
         )
+    if is_url(local):
+        storage = storage_for(local)
+        try:
+            data = storage.read_range(storage.join(local, rel), 0, entry.bytes + 1) if entry.bytes else b""
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"checkpoint {where} is corrupt: missing file {rel}") from None
+        check_digest(where, rel, entry, data)
+        return data
     try:
         fd = open_regular(os.path.join(local, rel))
     except FileNotFoundError:

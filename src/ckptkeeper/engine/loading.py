@@ -4,7 +4,9 @@ Nothing from a checkpoint is used before it is checked: the commit record, every
 each small file's checksum before it is decoded, whether the checkpoint fits the state. Tensors
 are then read straight into place (the fast reader, or DCP's through an allow-listed metadata
 reader), each backed up just before it is overwritten, so a failure leaves the state as it was.
-Object-store checkpoints are downloaded to a spool first and verified there.
+Fast-path checkpoints are read per piece (any world size, each rank only the pieces it needs),
+on object stores with ranged reads and no local copy; other object-store checkpoints are
+downloaded to a spool first and verified there.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .metrics import emit
 from .record import CommitRecord, hash_file
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .saving import quiet_dcp, tensor_bytes
+from .sharded import LocalSource, RemoteSource, Source, plan_reads, read_pieces
 from .state import TrainingState
 
 if TYPE_CHECKING:
@@ -82,13 +85,27 @@ def load(
     local = storage.local_path(path)
     spool: str | None = None
     try:
+        record: CommitRecord | None = None
+        train_state: dict[str, Any] | None = None
+        reader = "download"
+        fetched_before = storage.bytes_fetched
         if local is None:
-            # Each rank downloads and verifies what it loads; all ranks agree before loading.
-            spool = new_spool(ck.spool_dir, "load")
-            where = spool
-            record = agree(lambda: download(ck, storage, path, where), None, pg, load_error)[rank]
-            local = spool
-            verified = True
+            # Fast-path checkpoints on object stores are read in place, each rank fetching only
+            # the byte ranges it needs; the others are downloaded to a spool and verified there.
+            record = agree(lambda: _check_record(path, rank), None, pg, load_error)[rank]
+            if discovery.has_layout(record) and not isinstance(record, discovery.OlmoCoreRecord):
+                try:
+                    train_state, reader = _load_verified(
+                        ck, path, path, record, state, False, check_train_state, storage
+                    )
+                except _NeedsDownload:
+                    train_state = None
+            if train_state is None:
+                spool = new_spool(ck.spool_dir, "load")
+                where = spool
+                record = agree(lambda: download(ck, storage, path, where), None, pg, load_error)[rank]
+                train_state, _ = _load_verified(ck, path, spool, record, state, True, check_train_state)
+                reader = "download"
         else:
             # One filesystem: rank 0 checks every file's size, the others take its verdict.
             def check() -> CommitRecord:
@@ -102,13 +119,25 @@ def load(
 
             record = agree(check, None, pg, load_error)[rank]
             verified = ck.verify_checksums and not discovery.has_layout(record)
-        train_state = _load_verified(ck, path, local, record, state, verified, check_train_state)
+            train_state, reader = _load_verified(ck, path, local, record, state, verified, check_train_state)
         emit("load", path=path, step=record.step, bytes=record.total_bytes, files=len(record.files),
-             seconds=time.perf_counter() - t0, retries=getattr(storage, "retries", 0) - retries_before)  # fmt: skip
+             seconds=time.perf_counter() - t0, retries=getattr(storage, "retries", 0) - retries_before,
+             reader=reader, fetched=storage.bytes_fetched - fetched_before)  # fmt: skip
         return train_state
     finally:
         if spool is not None:
             shutil.rmtree(spool, ignore_errors=True)
+
+
+class _NeedsDownload(Exception):
+    """Every rank agreed that an object-store checkpoint cannot be read in place: download it."""
+
+
+def _check_record(path: str, rank: int) -> CommitRecord:
+    # Rank 0 lists the checkpoint and checks every size; the others read the record only.
+    if rank != 0:
+        return discovery.read_any_record(path)
+    return discovery.verify(path, checksums=False, structure=False)
 
 
 def _load_verified(
@@ -119,53 +148,83 @@ def _load_verified(
     state: TrainingState,
     verified: bool,
     check_train_state: Callable[[dict[str, Any]], None] | None,
-) -> dict[str, Any]:
+    remote: Storage | None = None,
+) -> tuple[dict[str, Any], str]:
+    """Load from ``local`` (a folder, or with ``remote`` the checkpoint's URL, read in place).
+
+    Returns this rank's trainer state and how tensors were read: "fast" (the single-process
+    reader), "pieces" (per piece, any world size; ranged reads on object stores) or "dcp".
+    """
     pg = ck.process_group
     rank, world = D.get_rank(pg), D.get_world_size(pg)
     olmo = isinstance(record, discovery.OlmoCoreRecord)
-    if isinstance(record, discovery.OlmoCoreRecord):
-        olmo_state, borrowed = discovery.read_olmo_train_state(local, rank, record, path)
-        doc: dict[str, Any] = {"train_state": olmo_state}
-    else:
-        doc, borrowed = read_train_state(local, rank, record, path)
-    if check_train_state is not None:
-        try:
-            check_train_state(doc.get("train_state", {}))
-        except CkptkeeperError:
-            raise
-        except Exception as exc:
-            raise CorruptCheckpointError(
-                f"checkpoint {path}: its trainer state is not usable ({type(exc).__name__}: {str(exc)[:200]}); "
-                "load an earlier checkpoint or restore this one from a copy"
-            ) from None
-    if borrowed:
-        log.warning(
-            "checkpoint has no trainer state for rank %d (saved with %d ranks); using rank 0's",
-            rank,
-            record.world_size,
-        )
-    if isinstance(record, discovery.OlmoCoreRecord):
-        metadata = discovery.check_olmo_core(local, record, path)
-    else:
-        metadata = read_metadata(local, record, path)
-    # Where each tensor goes, checked against the metadata (and state.strict) before anything is read.
-    plan = state.plan_load(saved_tensors(metadata), None if olmo else doc.get("state_meta", {}), path)
-    tensors, same_dtypes = plan.tensors, plan.same_dtypes
-    layout = discovery.read_layout(path, record, local)
-    rows = layout.get(f"{MODEL_DIR}/{DATA_FILE}") if isinstance(layout, dict) else None
-    fast = rows is not None and world == 1 and same_dtypes and can_use_fast_path(tensors)
-    by_fqn = None
-    if fast:
-        try:
-            by_fqn = parse_layout(rows, record.files[f"{MODEL_DIR}/{DATA_FILE}"].bytes, metadata)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptCheckpointError(
-                f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
-            ) from None
+    prep: dict[str, Any] = {}
+
+    def prepare() -> str:
+        # Everything a rank checks before it touches a tensor, as one agreement round: a rank
+        # that finds its trainer state or a segment table corrupt fails every rank together.
+        if isinstance(record, discovery.OlmoCoreRecord):
+            olmo_state, borrowed = discovery.read_olmo_train_state(local, rank, record, path)
+            doc: dict[str, Any] = {"train_state": olmo_state}
+        else:
+            doc, borrowed = read_train_state(local, rank, record, path)
+        if check_train_state is not None:
+            try:
+                check_train_state(doc.get("train_state", {}))
+            except CkptkeeperError:
+                raise
+            except Exception as exc:
+                raise CorruptCheckpointError(
+                    f"checkpoint {path}: its trainer state is not usable ({type(exc).__name__}: {str(exc)[:200]}); "
+                    "load an earlier checkpoint or restore this one from a copy"
+                ) from None
+        if borrowed:
+            log.warning(
+                "checkpoint has no trainer state for rank %d (saved with %d ranks); using rank 0's",
+                rank,
+                record.world_size,
+            )
+        if isinstance(record, discovery.OlmoCoreRecord):
+            metadata = discovery.check_olmo_core(local, record, path)
+        else:
+            metadata = read_metadata(local, record, path)
+        # Where each tensor goes, checked against the metadata (and state.strict) before anything is read.
+        plan = state.plan_load(saved_tensors(metadata), None if olmo else doc.get("state_meta", {}), path)
+        prep.update(doc=doc, plan=plan)
+        tables = discovery.segment_tables(record)
+        if not tables or not plan.same_dtypes:
+            return "download" if remote is not None else "dcp"
+        if world == 1 and remote is None and record.world_size == 1 and list(tables) == [DATA_FILE]:
+            if not can_use_fast_path(plan.tensors):
+                return "dcp"
+            rows = discovery.read_segment_rows(path, record, DATA_FILE, local)
+            prep["by_fqn"] = _parsed(path, rows, record, metadata, DATA_FILE)
+            return "single"
+        parsed: dict[str, Any] = {}
+
+        def segments(data_file: str) -> Any:
+            if data_file not in parsed:
+                rows = discovery.read_segment_rows(path, record, data_file, None if remote else local)
+                if rows is None:
+                    raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {data_file} has no segment table")
+                parsed[data_file] = _parsed(path, rows, record, metadata, data_file)
+            return parsed[data_file]
+
+        reads = plan_reads(plan.tensors, metadata, segments, world, path)
+        if reads is None:
+            return "download" if remote is not None else "dcp"
+        prep["reads"] = reads
+        return "pieces"
+
+    modes = agree(prepare, None, pg, load_error)
+    if remote is not None and set(modes) != {"pieces"}:
+        raise _NeedsDownload()
+    mode = modes[rank] if len(set(modes)) == 1 else "dcp"
+    doc, plan = prep["doc"], prep["plan"]
     need = tensor_bytes(plan.live)  # only live state is backed up; the rest is read into new tensors
     had_buffers = ck._stager.nbytes > 0
-    if by_fqn is None and not verified and ck.verify_checksums:
-        # DCP's reader checks no checksums, and segment checks only happen on the fast path
+    if mode == "dcp" and not verified and ck.verify_checksums:
+        # DCP's reader checks no checksums, and segment checks only happen on the fast paths
         # (not taken here, e.g. for another dtype): check every file before reading it.
         discovery.verify_checksums(local, record, path)
         verified = True
@@ -173,27 +232,33 @@ def _load_verified(
     if not ck._rollback_loads:
         pass
     elif ck.staging_budget_bytes is None or need <= ck.staging_budget_bytes:
-        guard = Rollback(ck._stager, plan.live, incremental=fast)
+        guard = Rollback(ck._stager, plan.live, incremental=mode != "dcp")
+    elif remote is not None:
+        raise _NeedsDownload()  # no memory for a backup: verify everything first, on a local copy
     elif not verified:
         # No memory for a backup: read every byte once to check it before anything is written.
         log.info("the load's backup would exceed the staging budget; verifying %s before loading", path)
         discovery.verify_checksums(local, record, path)
+    before_write = guard.before_write if guard is not None else None
     meta_touched = False
     try:
-        if by_fqn is not None:
-            read_fast(
-                os.path.join(local, MODEL_DIR),
-                tensors,
-                by_fqn,
-                verify=ck.verify_checksums,
-                threads=ck.read_threads,
-                before_write=guard.before_write if guard is not None else None,
-            )
+        if mode == "single":
+            read_fast(os.path.join(local, MODEL_DIR), plan.tensors, prep["by_fqn"], verify=ck.verify_checksums,
+                      threads=ck.read_threads, before_write=before_write)  # fmt: skip
+        elif mode == "pieces":
+            source: Source
+            if remote is not None:
+                source = RemoteSource(remote, remote.join(path, MODEL_DIR), threads=ck.upload_threads)
+                threads = ck.upload_threads
+            else:
+                source, threads = LocalSource(os.path.join(local, MODEL_DIR)), ck.read_threads
+            reads = prep["reads"]
+            agree(lambda: read_pieces(source, reads, ck.verify_checksums, threads, before_write), None, pg, load_error)
         else:
             data_files = [k[len(MODEL_DIR) + 1 :] for k in record.files if k.startswith(MODEL_DIR + "/")]
             with quiet_dcp():
                 dcp_load(
-                    tensors,
+                    plan.tensors,
                     storage_reader=SafeFileSystemReader(os.path.join(local, MODEL_DIR), data_files, olmo_core=olmo),
                     planner=SafeLoadPlanner(),
                     process_group=pg,
@@ -201,7 +266,7 @@ def _load_verified(
                 )
         meta_touched = True
         # OLMo-core keeps hyper-parameters as pickles (not read): the plan kept the current ones.
-        state.apply_load(plan)
+        agree(lambda: state.apply_load(plan), None, pg, load_error)
     except (Exception, CheckpointException) as raw:
         if guard is not None:
             guard.restore()
@@ -225,7 +290,19 @@ def _load_verified(
         if guard is not None and not had_buffers:
             ck._stager.release()  # the backup was only for this load
     train_state: dict[str, Any] = doc.get("train_state", {})
-    return train_state
+    return train_state, {"single": "fast"}.get(mode, mode)
+
+
+def _parsed(path: str, rows: Any, record: CommitRecord, metadata: Any, data_file: str) -> Any:
+    rel = f"{MODEL_DIR}/{data_file}"
+    try:
+        if rel not in record.files:
+            raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
+        return parse_layout(rows, record.files[rel].bytes, metadata, data_file)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
+        ) from None
 
 
 def download(ck: Checkpointer, storage: Storage, path: str, spool: str) -> CommitRecord:

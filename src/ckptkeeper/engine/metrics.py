@@ -9,7 +9,10 @@ Fields: ``event`` (save | load | remove), ``time_unix``, ``path``, ``step``, ``b
 ``blocked_s`` (seconds the caller waited), ``durable_s`` (seconds until committed, saves),
 ``seconds`` (loads and removals), ``gb_s`` (bytes / seconds / 1e9), ``retries`` (storage request
 retries during the operation, where the client reports them), plus ``ephemeral`` and ``async``
-for saves.
+for saves, and for loads ``reader`` (how tensors were read: ``fast`` single-process reader,
+``pieces`` per-piece reader at any world size, ranged reads in place on object stores, ``dcp``
+DCP's reader, ``download`` a local copy first) and ``fetched`` (bytes this process read from an
+object store; 0 on local disks).
 """
 
 from __future__ import annotations

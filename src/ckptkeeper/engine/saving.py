@@ -1,7 +1,8 @@
 """The save pipeline: the steps of writing one checkpoint, on every rank, in agreement.
 
-``preparing`` (rank 0 checks the target), ``writing tensors`` (the fast single-process writer,
-or DCP's), ``writing trainer state`` (each rank's JSON, then each rank hashes its own files),
+``preparing`` (rank 0 checks the target; the ranks agree on the writer), ``writing tensors``
+(the fast writer: one file per rank, see :mod:`~ckptkeeper.engine.sharded`; or DCP's where it
+cannot take the state), ``writing trainer state`` (each rank's JSON, then each rank hashes its own files),
 ``uploading`` (object stores) and ``publishing`` (rank 0 commits). Each step is agreed on by all
 ranks (:mod:`~ckptkeeper.engine.agreement`), so a failure anywhere fails the save everywhere,
 and how the checkpoint becomes visible is the storage's :mod:`~ckptkeeper.engine.commit` method.
@@ -14,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import time
 import uuid
 import warnings
@@ -33,9 +35,10 @@ from ..storage.local import translate_os_error
 from .agreement import agree, unwrap
 from .commit import CommitMethod
 from .discovery import LAYOUT_FILE
-from .fastio import DATA_FILE, Segment, can_use_fast_path, write_fast
+from .fastio import DATA_FILE, Segment, can_use_fast_path, write_fast, write_synced
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
+from .sharded import Piece, PieceEntry, build_metadata, local_pieces, write_shard
 from .state import flatten_tensors
 
 __all__ = ["SaveResult", "SaveSettings", "SaveStage", "final_path", "quiet_dcp", "tensor_bytes", "write_checkpoint"]
@@ -171,15 +174,27 @@ def write_checkpoint(
         if settings.on_stage is not None:
             settings.on_stage(SaveStage(name, step, rank, work, final))
 
-    def prepare() -> None:
+    def prepare() -> str | None:
         enter("preparing")
         with translate_os_error(work):
             os.makedirs(os.path.join(work, MODEL_DIR), exist_ok=True)
         if rank == 0:
             commit.prepare(final)
+        if world == 1 or settings.writer != "auto":
+            return None
+        found = local_pieces(tensors, rank, world)
+        if found is None:
+            return None
+        pieces.extend(found[0])
+        return found[1]
 
-    def write_tensors() -> None:
+    def write_tensors() -> list[PieceEntry] | None:
         enter("writing tensors")
+        if sharded:
+            with translate_os_error(work):
+                shard_files, entries = write_shard(os.path.join(work, MODEL_DIR), pieces, rank, settings.io_threads)
+            written.update(shard_files)
+            return entries
         with translate_os_error(work):
             out = _write_tensors(settings, os.path.join(work, MODEL_DIR), tensors, world)
         if out is not None:
@@ -190,9 +205,17 @@ def write_checkpoint(
             table = {f"{MODEL_DIR}/{DATA_FILE}": [seg.to_json() for seg in segments]}
             with translate_os_error(work):
                 storage_for(work).write_bytes(os.path.join(work, LAYOUT_FILE), json.dumps(table).encode())
+        return None
 
     def finish_own_files() -> dict[str, FileEntry]:
         enter("writing trainer state")
+        if sharded and rank == 0:
+            # DCP's .metadata, from every rank's pieces: stock DCP reads the checkpoint with it.
+            metadata = build_metadata([e or [] for e in all_entries], os.path.join(work, MODEL_DIR))
+            with translate_os_error(work):
+                written[f"{MODEL_DIR}/.metadata"] = write_synced(
+                    os.path.join(work, MODEL_DIR, ".metadata"), pickle.dumps(metadata)
+                )
         with translate_os_error(work):
             storage_for(work).write_bytes(os.path.join(work, train_state_name(rank)), payload)
         mine = _hash_own_files(work, rank, world, skip=set(written))
@@ -207,10 +230,16 @@ def write_checkpoint(
             enter("publishing")
             commit.publish(work, final, record)
 
+    pieces: list[Piece] = []
+    sharded = False
+    all_entries: list[list[PieceEntry] | None] = []
     try:
-        agree(prepare, step, pg)
+        signatures = agree(prepare, step, pg)
+        # Every rank takes the same path: the per-rank fast writer only where all ranks can, and
+        # with the same replicated tensors (their writers are chosen from that list).
+        sharded = world > 1 and signatures[0] is not None and len(set(signatures)) == 1
         stage = "writing tensors"
-        agree(write_tensors, step, pg)
+        all_entries = agree(write_tensors, step, pg)
         stage = "writing trainer state and uploading" if commit.uploads else "writing trainer state"
         for part in agree(finish_own_files, step, pg):
             files.update(part)

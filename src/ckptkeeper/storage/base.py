@@ -8,6 +8,7 @@ record last, create-only. Everything above this layer speaks only these primitiv
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from ..errors import ConfigurationError
 
 __all__ = ["FileInfo", "Storage"]
+
+_COUNT_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,14 @@ class Storage(ABC):
 
     is_remote: bool = False
     """True for URL backends (object stores); the specification's rank-0 rules differ for them."""
+
+    bytes_fetched: int = 0
+    """Bytes this object has read from the store so far (reads, downloads and ranged reads)."""
+
+    def count_fetched(self, n: int) -> None:
+        """Add ``n`` to :attr:`bytes_fetched` (reads run on several threads at once)."""
+        with _COUNT_LOCK:
+            self.bytes_fetched += n
 
     def join(self, base: str, *parts: str) -> str:
         """Join path parts with '/' (every backend here uses '/')."""
@@ -63,6 +74,14 @@ class Storage(ABC):
     @abstractmethod
     def read_bytes(self, path: str) -> bytes:
         """The whole content of a (small) file; FileNotFoundError when missing."""
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """``length`` bytes of the file at ``path`` from ``start`` (fewer only where the file ends).
+
+        Object stores answer with one ranged GET, so a load fetches only the bytes a rank needs.
+        """
+        data = self.read_bytes(path)[start : start + length]
+        return data
 
     @abstractmethod
     def write_bytes(self, path: str, data: bytes) -> None:

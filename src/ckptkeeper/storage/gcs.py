@@ -88,7 +88,16 @@ class GCSStorage(Storage):
     def read_bytes(self, path: str) -> bytes:
         with self._errors(path):
             data: bytes = self.fs.cat_file(_key(path))
-            return data
+        self.count_fetched(len(data))
+        return data
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        with self._errors(path):
+            data: bytes = self.fs.cat_file(_key(path), start=start, end=start + length)
+        self.count_fetched(len(data))
+        return data
 
     def write_bytes(self, path: str, data: bytes) -> None:
         with self._errors(path):
@@ -105,6 +114,7 @@ class GCSStorage(Storage):
     def download(self, path: str, local_path: str) -> None:
         with self._errors(path):
             self.fs.get_file(_key(path), local_path)
+        self.count_fetched(os.path.getsize(local_path))
 
     def remove_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError), self._errors(path):

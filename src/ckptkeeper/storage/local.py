@@ -127,6 +127,13 @@ class LocalStorage(Storage):
         with os.fdopen(open_regular(_strip(path), follow_links=True), "rb") as f:
             return f.read()
 
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        fd = open_regular(_strip(path), follow_links=True)
+        try:
+            return os.pread(fd, max(length, 0), start)
+        finally:
+            os.close(fd)
+
     def _write_temp(self, path: str, data: bytes) -> str:
         target = _strip(path)
         folder = os.path.dirname(target) or "."

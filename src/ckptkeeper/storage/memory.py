@@ -51,9 +51,19 @@ class MemoryStorage(Storage):
 
     def read_bytes(self, path: str) -> bytes:
         try:
-            return self._files[self._key(path)]
+            data = self._files[self._key(path)]
         except KeyError:
             raise FileNotFoundError(path) from None
+        self.count_fetched(len(data))
+        return data
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        try:
+            data = self._files[self._key(path)][start : start + max(length, 0)]
+        except KeyError:
+            raise FileNotFoundError(path) from None
+        self.count_fetched(len(data))
+        return data
 
     def write_bytes(self, path: str, data: bytes) -> None:
         with _LOCK:

@@ -163,7 +163,18 @@ class S3Storage(Storage):
         with self._errors(path):
             body = self.client.get_object(Bucket=bucket, Key=key)["Body"]
             data: bytes = body.read()
-            return data
+        self.count_fetched(len(data))
+        return data
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        bucket, key = split_url(path)
+        with self._errors(path):
+            body = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")["Body"]
+            data: bytes = body.read()
+        self.count_fetched(len(data))
+        return data
 
     def write_bytes(self, path: str, data: bytes) -> None:
         bucket, key = split_url(path)
@@ -184,6 +195,7 @@ class S3Storage(Storage):
         bucket, key = split_url(path)
         with self._errors(path):
             self.client.download_file(bucket, key, local_path, Config=self.transfer)
+        self.count_fetched(os.path.getsize(local_path))
 
     def remove_file(self, path: str) -> None:
         bucket, key = split_url(path)

@@ -1,0 +1,524 @@
+"""The fast path with several ranks, and ranged loads: each rank writes the pieces it holds as
+stock DCP files and reads back only the byte ranges that overlap what it holds.
+
+Saving (every rank at once): a rank's pieces are its local shards of DTensors (FSDP2, Shard and
+Replicate placements) and its plain tensors, which are replicated (DDP-style) and so written once:
+each replicated piece has one writer, chosen the same way on every rank without talking (the
+largest pieces spread over the ranks first; for a DTensor replicated along a mesh dimension, the
+holder at a coordinate derived from the name). Each rank writes ``__{rank}_0.distcp`` with the
+single-process writer's machinery (preallocated, pwrite from writer threads, xxh3 per segment in
+the same pass) and its segment table ``.ckptkeeper-layout-{rank}.json``; rank 0 writes DCP's
+``.metadata`` from every rank's pieces, so stock ``torch.distributed.checkpoint.load`` reads the
+checkpoint at any world size.
+
+Loading (any world size, any sharding): for every destination tensor the stored pieces that
+overlap its local region are found in DCP's metadata. A piece that is exactly the region is read
+straight into the tensor; others are read into a buffer, checked, and the overlap copied. Small
+pieces that lie next to each other are fetched in one read. Every segment's checksum is checked
+before its bytes are used, and the source is a local file (``pread``) or an object store (ranged
+GETs, several at once), so an object-store load fetches what the rank needs and nothing else.
+
+What this path does not take (GPU destinations, other placements, dtype changes, DTensors on a
+mesh that is not the whole group) goes through DCP's own writer and reader instead; the ranks
+agree on which before any of them starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+import os
+import threading
+import uuid
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from ..errors import CorruptCheckpointError
+from ..storage import Storage
+from ..storage.layout import MODEL_DIR
+from .fastio import _SMALL_PIECE, Segment, _bytes_of, _leaves, exact, write_items, write_synced
+from .record import FileEntry, new_hasher
+
+__all__ = [
+    "LocalSource",
+    "Piece",
+    "PieceEntry",
+    "RemoteSource",
+    "Source",
+    "build_metadata",
+    "layout_name",
+    "local_pieces",
+    "plan_reads",
+    "read_pieces",
+    "shard_name",
+    "write_shard",
+]
+
+_RUN_BYTES = 8 << 20
+_REMOTE_PART = 16 << 20
+
+
+def shard_name(rank: int) -> str:
+    """The data file rank ``rank`` writes, inside ``model_and_optim`` (DCP's own naming)."""
+    return f"__{rank}_0.distcp"
+
+
+def layout_name(rank: int) -> str:
+    """The segment table of rank ``rank``'s data file, relative to the checkpoint."""
+    return f"{MODEL_DIR}/.ckptkeeper-layout-{rank}.json"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of one tensor that this rank holds: the whole tensor, or its local shard."""
+
+    fqn: str
+    path: tuple[str, ...]
+    tensor: torch.Tensor
+    """The local data (the DTensor's local shard, or the plain tensor)."""
+    offsets: tuple[int, ...]
+    """Where the piece starts in the global tensor."""
+    global_shape: tuple[int, ...]
+    writer: bool
+    """Whether this rank is the one that writes it (replicated pieces are written once)."""
+
+
+PieceEntry = tuple[str, tuple[str, ...], tuple[int, ...], Any, tuple[int, ...], tuple[int, ...], int, int]
+"""What rank 0 needs of each written piece: (fqn, path, global shape, TensorProperties, offsets,
+sizes, start in the rank's data file, length)."""
+
+
+def _plain_placements(placements: Any) -> bool:
+    # Strided shards (FSDP over TP) and partial sums have offsets DCP's metadata cannot express
+    # as one box per rank, or need a reduction first: DCP's own writer handles those.
+    return all(type(p) in (Shard, Replicate) for p in placements)
+
+
+def _region(value: Any, world: int) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
+    """(local data, global offsets, global shape) of a leaf; None when this path cannot take it."""
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if not _plain_placements(value.placements) or value.device_mesh.size() != world:
+            return None
+        local = value.to_local()
+        shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        if tuple(local.shape) != tuple(shape):
+            return None
+        return local, tuple(int(o) for o in offsets), tuple(int(n) for n in value.shape)
+    if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+        return None
+    return value, (0,) * value.dim(), tuple(int(n) for n in value.shape)
+
+
+def _usable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and not t.is_sparse and not t.is_quantized
+
+
+def _name_hash(fqn: str) -> int:
+    # Python's hash() differs between processes; every rank must pick the same writer.
+    return zlib.crc32(fqn.encode())
+
+
+def _dtensor_writer(value: DTensor, fqn: str) -> bool:
+    mesh = value.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return False
+    for dim, placement in enumerate(value.placements):
+        if isinstance(placement, Replicate) and coord[dim] != _name_hash(fqn) % mesh.size(dim):
+            return False
+    return True
+
+
+def local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[Piece], str] | None:
+    """This rank's pieces of ``tree`` and a signature every rank must share, or None when this
+    path cannot take the tree (the caller then uses DCP's writer on every rank).
+
+    The signature covers the replicated (plain) tensors: their writers are chosen from that list,
+    so it must be the same list everywhere.
+    """
+    regions = []
+    for fqn, path, value in _leaves(tree):
+        region = _region(value, world)
+        if region is None or not _usable(region[0]):
+            return None
+        regions.append((fqn, path, value, region))
+    plain = sorted(
+        ((fqn, local.numel() * local.element_size()) for fqn, _, value, (local, _, _) in regions
+         if not isinstance(value, DTensor)),
+        key=lambda x: (-x[1], x[0]),
+    )  # fmt: skip
+    # Largest first onto the least-loaded rank: each rank writes about the same share.
+    loads = [(0, r) for r in range(world)]
+    owners: dict[str, int] = {}
+    for fqn, nbytes in plain:
+        load, r = heapq.heappop(loads)
+        owners[fqn] = r
+        heapq.heappush(loads, (load + max(nbytes, 1), r))
+    signature = hashlib.sha256(
+        json.dumps([(f, list(v.shape), str(v.dtype)) for f, _, v, _ in regions if not isinstance(v, DTensor)]).encode()
+    ).hexdigest()
+    pieces = []
+    for fqn, path, value, (local, offsets, shape) in regions:
+        if isinstance(value, DTensor):
+            if local.numel() == 0 and math.prod(shape) != 0:
+                continue  # an empty shard (more ranks than rows): the other ranks hold every element
+            writer = _dtensor_writer(value, fqn)
+            if math.prod(shape) == 0:
+                local, offsets, writer = torch.empty(shape, dtype=local.dtype), (0,) * len(shape), rank == 0
+        else:
+            writer = owners[fqn] == rank
+        pieces.append(Piece(fqn, path, local, offsets, shape, writer))
+    return pieces, signature
+
+
+def write_shard(
+    model_dir: str, pieces: list[Piece], rank: int, threads: int
+) -> tuple[dict[str, FileEntry], list[PieceEntry]]:
+    """Write the pieces this rank writes into its data file and its segment table.
+
+    Returns the files written (relative to the checkpoint) and what rank 0 needs of each piece
+    to write DCP's metadata.
+    """
+    mine = [p for p in pieces if p.writer]
+    tensors = [(p.fqn, exact(p.tensor)) for p in mine]
+    name = shard_name(rank)
+    entry, segments, starts = write_items(os.path.join(model_dir, name), tensors, threads)
+    table = {f"{MODEL_DIR}/{name}": [seg.to_json() for seg in segments]}
+    layout = os.path.join(os.path.dirname(model_dir), layout_name(rank))
+    files = {f"{MODEL_DIR}/{name}": entry, layout_name(rank): write_synced(layout, json.dumps(table).encode())}
+    entries: list[PieceEntry] = []
+    for i, (p, (_, t), start) in enumerate(zip(mine, tensors, starts, strict=True)):
+        length = sum(s.length for s in segments[3 * i : 3 * i + 3])
+        props = TensorProperties.create_from_tensor(t)
+        entries.append((p.fqn, p.path, p.global_shape, props, p.offsets, tuple(t.shape), start, length))
+    return files, entries
+
+
+def build_metadata(per_rank: list[list[PieceEntry]], model_dir: str) -> Metadata:
+    """DCP's metadata for the pieces every rank wrote; ValueError when they do not tile each tensor."""
+    sd_meta: dict[str, TensorStorageMetadata] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    planner: dict[str, Any] = {}
+    covered: dict[str, int] = {}
+    for rank, entries in enumerate(per_rank):
+        for fqn, path, shape, props, offsets, sizes, start, length in entries:
+            md = sd_meta.get(fqn)
+            if md is None:
+                md = sd_meta[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(shape), chunks=[])
+            elif tuple(md.size) != tuple(shape) or md.properties.dtype != props.dtype:
+                raise ValueError(f"ranks disagree about the shape or dtype of {fqn}")
+            md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            storage[MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(md.chunks) - 1)] = _StorageInfo(
+                shard_name(rank), start, length
+            )
+            planner[fqn] = path
+            covered[fqn] = covered.get(fqn, 0) + math.prod(sizes)
+    for fqn, md in sd_meta.items():
+        if covered[fqn] != math.prod(md.size):
+            raise ValueError(f"the ranks' pieces of {fqn} cover {covered[fqn]} of its {math.prod(md.size)} elements")
+    return Metadata(
+        state_dict_metadata=dict(sd_meta),
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=model_dir, save_id=uuid.uuid4().hex),
+    )
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+class Source(Protocol):
+    """Where a checkpoint's data files are read from."""
+
+    where: str
+
+    def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with data file ``rel``'s bytes from ``offset`` (CorruptCheckpointError if it ends early)."""
+
+    def close(self) -> None:
+        """Release what reading held (open files)."""
+
+
+class LocalSource:
+    """Data files in a local ``model_and_optim`` folder, read with ``pread``."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.where = model_dir
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, rel: str) -> int:
+        with self._lock:
+            if rel not in self._fds:
+                # O_NOFOLLOW: a checkpoint's data file is never a link to somewhere else.
+                self._fds[rel] = os.open(os.path.join(self.where, rel), os.O_RDONLY | os.O_NOFOLLOW)
+            return self._fds[rel]
+
+    def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+        fd = self._fd(rel)
+        pos = 0
+        while pos < len(view):
+            n = os.preadv(fd, [view[pos:]], offset + pos)
+            if n == 0:
+                raise CorruptCheckpointError(f"{os.path.join(self.where, rel)} ends early (truncated file)")
+            pos += n
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class RemoteSource:
+    """Data files in an object store, read with ranged GETs (large ranges in parallel parts)."""
+
+    def __init__(self, storage: Storage, model_url: str, threads: int = 8) -> None:
+        self.where = model_url
+        self._storage = storage
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-get")
+
+    def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+        url = self._storage.join(self.where, rel)
+
+        def get(start: int) -> None:
+            part = view[start : start + _REMOTE_PART]
+            data = self._storage.read_range(url, offset + start, len(part))
+            if len(data) != len(part):
+                raise CorruptCheckpointError(f"{url} ends early (truncated object)")
+            part[:] = data
+
+        starts = range(0, len(view), _REMOTE_PART)
+        if len(starts) <= 1:
+            if len(view):
+                get(0)
+            return
+        for fut in [self._pool.submit(get, s) for s in starts]:
+            fut.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One stored piece to read for one destination: its segments and the overlap to copy."""
+
+    fqn: str
+    dest: torch.Tensor
+    """The destination's local data."""
+    file: str
+    segs: Mapping[str, Segment]
+    piece_offsets: tuple[int, ...]
+    piece_sizes: tuple[int, ...]
+    dest_offsets: tuple[int, ...]
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    """The overlap, in global coordinates: [lo, hi) on each dimension."""
+
+    @property
+    def whole(self) -> bool:
+        """Whether the piece is exactly the destination (read straight into it)."""
+        return self.piece_offsets == self.dest_offsets and self.piece_sizes == tuple(self.dest.shape)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.segs["head"].offset, self.segs["tail"].offset + self.segs["tail"].length
+
+
+def _overlap(
+    a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off, strict=True))
+    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(a_off, a_size, b_off, b_size, strict=True))
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, hi
+
+
+def plan_reads(
+    tensors: Mapping[str, Any],
+    metadata: Any,
+    layouts: Callable[[str], Mapping[str, Mapping[str, Segment]]],
+    world: int,
+    where: str,
+) -> list[_Read] | None:
+    """Which stored pieces each destination tensor needs; None when this path cannot take the
+    destinations (the caller uses DCP's reader). ``layouts(file)`` gives a data file's checked
+    segments by tensor. CorruptCheckpointError when the stored pieces do not tile a destination.
+    """
+    reads: list[_Read] = []
+    for fqn, _, value in _leaves(tensors):
+        region = _region(value, world)
+        if region is None:
+            return None
+        local, offsets, shape = region
+        md = metadata.state_dict_metadata.get(fqn)
+        if md is None or getattr(md.properties, "dtype", None) != local.dtype:
+            return None
+        if not _usable(local) or not local.is_contiguous():
+            return None
+        if local.numel() == 0:
+            continue
+        found: list[_Read] = []
+        for chunk in md.chunks:
+            c_off, c_size = tuple(int(n) for n in chunk.offsets), tuple(int(n) for n in chunk.sizes)
+            if any(o + n > s for o, n, s in zip(c_off, c_size, shape, strict=True)):
+                raise CorruptCheckpointError(f"checkpoint {where} is corrupt: a piece of {fqn} lies outside the tensor")
+            ov = _overlap(c_off, c_size, offsets, tuple(local.shape))
+            if ov is None:
+                continue
+            info = metadata.storage_data.get(MetadataIndex(fqn=fqn, offset=torch.Size(c_off)))
+            if info is None:
+                raise CorruptCheckpointError(f"checkpoint {where} is corrupt: its metadata does not say where {fqn} is")
+            segs = layouts(info.relative_path).get(fqn)
+            if segs is None or segs["head"].offset != info.offset:
+                raise CorruptCheckpointError(
+                    f"checkpoint {where} is corrupt: the segment table of {info.relative_path} has no piece of {fqn}"
+                )
+            found.append(_Read(fqn, local, info.relative_path, segs, c_off, c_size, offsets, ov[0], ov[1]))
+        volume = sum(math.prod(h - low for low, h in zip(r.lo, r.hi, strict=True)) for r in found)
+        disjoint = all(
+            _overlap(a.piece_offsets, a.piece_sizes, b.piece_offsets, b.piece_sizes) is None
+            for i, a in enumerate(found)
+            for b in found[i + 1 :]
+        )
+        if volume != local.numel() or not disjoint:
+            raise CorruptCheckpointError(
+                f"checkpoint {where} is corrupt: its pieces of {fqn} do not cover this rank's part exactly once"
+            )
+        reads.extend(found)
+    return reads
+
+
+def _check(where: str, read: _Read, kind: str, view: memoryview) -> None:
+    h = new_hasher()
+    h.update(view)
+    if h.hexdigest() != read.segs[kind].xxh3_64:
+        raise CorruptCheckpointError(
+            f"{where}/{read.file} is corrupt: the bytes of {read.fqn} ({kind}) have checksum {h.hexdigest()}, the "
+            f"checkpoint says {read.segs[kind].xxh3_64}; load an earlier checkpoint or restore this one from a copy"
+        )
+
+
+def _copy_overlap(read: _Read, data: memoryview) -> None:
+    src = torch.frombuffer(data, dtype=read.dest.dtype) if len(data) else torch.empty(0, dtype=read.dest.dtype)
+    src = src.view(read.piece_sizes)
+    dst = read.dest.detach()
+    for dim, (low, high) in enumerate(zip(read.lo, read.hi, strict=True)):
+        src = src.narrow(dim, low - read.piece_offsets[dim], high - low)
+        dst = dst.narrow(dim, low - read.dest_offsets[dim], high - low)
+    dst.copy_(src)
+
+
+def read_pieces(
+    source: Source,
+    reads: list[_Read],
+    verify: bool = True,
+    threads: int = 2,
+    before_write: Callable[[str, int, int], None] | None = None,
+) -> None:
+    """Read every planned piece into its destination, checking each segment before its bytes are used.
+
+    ``before_write(fqn, 0, nbytes)`` is called once per destination tensor before it is first
+    written (the loader backs it up there).
+    """
+    backed: set[str] = set()
+    lock = threading.Lock()
+
+    def backup(read: _Read) -> None:
+        if before_write is None:
+            return
+        with lock:
+            if read.fqn in backed:
+                return
+            backed.add(read.fqn)
+        before_write(read.fqn, 0, read.dest.numel() * read.dest.element_size())
+
+    def direct(read: _Read) -> None:
+        for kind in ("head", "tail"):
+            seg = read.segs[kind]
+            view = memoryview(bytearray(seg.length))
+            source.read_into(read.file, seg.offset, view)
+            if verify:
+                _check(source.where, read, kind, view)
+        backup(read)
+        seg = read.segs["data"]
+        view = _bytes_of(read.dest.detach())
+        if len(view) != seg.length:
+            raise CorruptCheckpointError(
+                f"{source.where}/{read.file}: {read.fqn} holds {seg.length} bytes, expected {len(view)}"
+            )
+        source.read_into(read.file, seg.offset, view)
+        if verify:
+            _check(source.where, read, "data", view)
+
+    def buffered(run: list[_Read]) -> None:
+        start, end = run[0].span[0], run[-1].span[1]
+        buf = memoryview(bytearray(end - start))
+        source.read_into(run[0].file, start, buf)
+        for read in run:
+            for kind in ("head", "data", "tail"):
+                seg = read.segs[kind]
+                if verify:
+                    _check(source.where, read, kind, buf[seg.offset - start : seg.offset - start + seg.length])
+            data = read.segs["data"]
+            backup(read)
+            _copy_overlap(read, buf[data.offset - start : data.offset - start + data.length])
+
+    large = [r for r in reads if r.whole and r.segs["data"].length >= _SMALL_PIECE]
+    rest = sorted((r for r in reads if not (r.whole and r.segs["data"].length >= _SMALL_PIECE)),
+                  key=lambda r: (r.file, r.span[0]))  # fmt: skip
+    runs: list[list[_Read]] = []
+    for read in rest:
+        if runs:
+            prev = runs[-1]
+            if (prev[-1].file == read.file and prev[-1].span[1] == read.span[0]
+                    and read.span[1] - prev[0].span[0] <= _RUN_BYTES):  # fmt: skip
+                prev.append(read)
+                continue
+        runs.append([read])
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
+            futures = [pool.submit(direct, r) for r in sorted(large, key=lambda r: -r.segs["data"].length)]
+            futures += [pool.submit(buffered, run) for run in runs]
+            error: BaseException | None = None
+            for fut in futures:
+                # Wait for every reader before reporting, so nothing writes into a tensor afterwards.
+                exc = fut.exception()
+                if exc is not None and error is None:
+                    error = exc
+            if error is not None:
+                raise error
+    finally:
+        source.close()
+
+
+def iter_layout_files(files: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """(segment table, data file) pairs of a multi-rank fast-path checkpoint's listed files."""
+    prefix = f"{MODEL_DIR}/.ckptkeeper-layout-"
+    for rel in files:
+        if rel.startswith(prefix) and rel.endswith(".json"):
+            rank = rel[len(prefix) : -len(".json")]
+            if rank.isdigit() and str(int(rank)) == rank:
+                yield rel, shard_name(int(rank))

@@ -1,0 +1,112 @@
+"""The fast engine with several ranks: each rank writes its shards itself, loads read only the
+pieces a rank needs at any world size (locally and with ranged object-store reads), stock DCP
+reads the result, and a corrupt shard on one rank fails every rank with nothing changed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptkeeper.storage import storage_for
+from ckptkeeper.storage.layout import COMMIT_RECORD
+
+from . import workers
+from .spawn import run_ranks
+
+
+def _ok(out: list[dict]) -> list:  # type: ignore[type-arg]
+    assert all(o["ok"] for o in out), [o.get("tb", o) for o in out]
+    return [o["value"] for o in out]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same kind of trained FSDP2 state saved at 2 ranks and at 3, with whole-tensor references."""
+    d = tmp_path_factory.mktemp("fast")
+    for world in (2, 3):
+        files = _ok(run_ranks(world, workers.save_wide, str(d / f"w{world}"), str(d / f"ref{world}.pt"),
+                              out=d / f"o{world}"))  # fmt: skip
+        expected = {f"model_and_optim/__{r}_0.distcp" for r in range(world)}
+        expected |= {f"model_and_optim/.ckptkeeper-layout-{r}.json" for r in range(world)}
+        expected |= {f"train/rank{r}.json" for r in range(world)} | {"model_and_optim/.metadata"}
+        assert set(files[0]) == expected
+    return d
+
+
+@pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 1), (2, 3), (3, 2), (2, 2)])
+def test_resharding_through_the_fast_reader_restores_every_tensor(saved: Path, saved_at: int, loaded_at: int) -> None:
+    path = str(saved / f"w{saved_at}" / "step5")
+    out = run_ranks(loaded_at, workers.load_wide, path, str(saved / f"ref{saved_at}.pt"),
+                    out=saved / f"l{saved_at}{loaded_at}")  # fmt: skip
+    for value in _ok(out):
+        assert value["equal"] and value["keys"] >= 12, value
+        # Not DCP's reader: the per-piece one (the single-process reader only takes one-rank checkpoints).
+        assert value["reader"] == "pieces", value
+
+
+def test_stock_dcp_loads_a_multi_rank_fast_checkpoint_in_a_fresh_process(saved: Path) -> None:
+    code = """
+import sys, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+ref = torch.load(sys.argv[2], weights_only=True)
+meta = dcp.FileSystemReader(sys.argv[1]).read_metadata()
+want = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)}
+dcp.load(want, checkpoint_id=sys.argv[1], no_dist=True)
+assert set(want) == set(ref), sorted(set(want) ^ set(ref))[:5]
+bad = [k for k in ref if not torch.equal(want[k], ref[k])]
+assert not bad, bad[:5]
+print("ok", len(want))
+"""
+    for world in (2, 3):
+        model_dir = saved / f"w{world}" / "step5" / "model_and_optim"
+        res = subprocess.run([sys.executable, "-c", code, str(model_dir), str(saved / f"ref{world}.pt")],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-2000:]
+
+
+def test_a_corrupt_shard_on_one_rank_fails_every_rank_and_changes_nothing(saved: Path, tmp_path: Path) -> None:
+    import shutil
+
+    path = tmp_path / "step5"
+    shutil.copytree(saved / "w2" / "step5", path)
+    shard = path / "model_and_optim" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the large weight's data: same size, other bytes
+    shard.write_bytes(bytes(data))
+    out = _ok(run_ranks(2, workers.load_wide, str(path), str(saved / "ref2.pt"), out=tmp_path / "o"))
+    for rank, value in enumerate(out):
+        assert value["error"] == "CorruptCheckpointError", value
+        assert value["unchanged"], value
+        assert "__1_0.distcp" in value["message"] and ("rank 1" in value["message"]) == (rank == 0), value
+
+
+def test_two_ranks_resume_from_s3_fetching_one_copy_in_ranged_reads(saved: Path, tmp_path: Path, s3_root: str) -> None:
+    storage = storage_for(s3_root)
+    src = saved / "w2" / "step5"
+    # The commit record last, as a save publishes it.
+    files = sorted((f for f in src.rglob("*") if f.is_file()), key=lambda f: f.name == COMMIT_RECORD)
+    for f in files:
+        storage.upload(str(f), f"{s3_root}/run/step5/{f.relative_to(src).as_posix()}")
+    env = {k: os.environ[k] for k in os.environ if k.startswith(("AWS_", "CKPTKEEPER_"))}
+    url = f"{s3_root}/run/step5"
+    out = _ok(run_ranks(2, workers.load_wide, url, str(saved / "ref2.pt"), out=tmp_path / "o", env=env))
+    total = out[0]["bytes"]
+    for value in out:
+        assert value["equal"] and value["reader"] == "pieces", value
+        assert value["fetched"] <= 0.6 * total, value  # its half of the shards, the small files, no more
+    assert sum(v["fetched"] for v in out) <= 1.25 * total
+
+    # A flipped byte in rank 1's shard on the store: every rank refuses, nothing changes.
+    key = f"{url}/model_and_optim/__1_0.distcp"
+    data = bytearray(storage.read_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    storage.write_bytes(key, bytes(data))
+    out = _ok(run_ranks(2, workers.load_wide, url, str(saved / "ref2.pt"), out=tmp_path / "o2", env=env))
+    for value in out:
+        assert value["error"] == "CorruptCheckpointError" and value["unchanged"], value
