@@ -50,3 +50,44 @@ def test_bench_on_cuda_skips_with_a_reason_without_a_gpu() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert res.returncode == 0 and "skipped" in res.stdout and "CUDA" in res.stdout
+
+
+# ---------------------------------------------------------------- the sharded benchmark (torchrun)
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def _torchrun_bench(ranks: int, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), "-m", "ckptkeeper", "bench", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # s3_root's settings (AWS_*) are in os.environ
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_bench_at_two_ranks_compares_with_dcp(tmp_path: Path) -> None:
+    res = _torchrun_bench(2, "--model-mib", "2", "--repeats", "1", "--tensors", "50", "--json", "--dir", str(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout)  # rank 0's report alone: rank 1 prints nothing
+    assert report["world_size"] == 2
+    for key in ("save_vs_dcp", "load_vs_dcp", "async_blocked_vs_dcp"):
+        assert report["ratios"][key] > 0, key
+    assert 45 <= report["tensors"] <= 55
+    assert report["state_bytes"] >= 3 * (2 << 20) * 0.9
+    for key in ("ours_save_s", "ours_load_cold_s", "ours_async_blocked_s", "dcp_save_s", "dcp_load_cold_s"):
+        assert report["medians_s"][key] > 0, key
+    assert os.listdir(tmp_path) == []  # everything it wrote is gone
+
+
+def test_bench_at_two_ranks_on_s3_reports_bytes_fetched_per_rank(tmp_path: Path, s3_root: str) -> None:
+    from ckptkeeper.storage import storage_for
+
+    args = ["--model-mib", "2", "--repeats", "1", "--tensors", "10", "--json", "--dir", str(tmp_path)]
+    res = _torchrun_bench(2, *args, "--store", s3_root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout)
+    assert report["world_size"] == 2
+    per_rank = report["fetched_vs_share_per_rank"]
+    assert len(per_rank) == 2 and all(v > 0 for v in per_rank), per_rank
+    assert report["ratios"]["fetched_vs_share"] == max(per_rank)
+    assert report["dcp"].startswith("skipped")
+    assert list(storage_for(s3_root).walk(s3_root)) == []  # everything it wrote to the bucket is gone
+    assert os.listdir(tmp_path) == []

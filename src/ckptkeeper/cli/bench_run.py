@@ -12,6 +12,9 @@ medians over the repeats are compared:
 For the two async saves it measures the time the caller is blocked and how much a loop of matmul
 steps on all cores slows down while the background write runs (from the loop's own step times),
 and for ckptkeeper the peak extra host memory over 10 consecutive async saves.
+
+Under torchrun (``WORLD_SIZE`` > 1), or with --tensors or --store, :func:`run` hands over to
+``bench_ranks`` instead: an FSDP2-sharded model and optimizer, ckptkeeper beside DCP at that world size.
 """
 
 from __future__ import annotations
@@ -154,8 +157,21 @@ def _time(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
+def _sharded_wanted(args: argparse.Namespace) -> bool:
+    """Whether this run is the sharded benchmark (several ranks, or a flag only it has)."""
+    try:
+        several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        several = True  # a malformed WORLD_SIZE is reported where the process group is joined
+    return several or getattr(args, "tensors", None) is not None or getattr(args, "store", None) is not None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper bench``; returns the exit code."""
+    if _sharded_wanted(args):
+        from .bench_ranks import run as run_ranks
+
+        return run_ranks(args)
     warnings.filterwarnings("ignore")
     logging.getLogger("ckptkeeper").setLevel(logging.WARNING)
     if args.device == "cuda" and not torch.cuda.is_available():
