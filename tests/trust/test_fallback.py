@@ -72,7 +72,7 @@ def test_forged_trainer_state_falls_back_without_touching_the_model(tmp_path: Pa
     assert t.start_step == 3 and state_digest(t.model, t.optimizer) == state_digest(clean.model, clean.optimizer)
 
 
-def test_cli_resume_falls_back_past_a_planted_pickle_without_running_it(tmp_path: Path) -> None:
+def test_cli_resume_never_runs_a_planted_pickle_and_verify_names_it(tmp_path: Path) -> None:
     from .test_hostile_files import _Dotted
 
     args = [sys.executable, "-m", "ckptkeeper", "-q", "train", "--save-folder", "run", "--save-interval", "5",
@@ -82,10 +82,16 @@ def test_cli_resume_falls_back_past_a_planted_pickle_without_running_it(tmp_path
     marker = tmp_path / "pwned"
     payload = _Dotted("torch.distributed.checkpoint.filesystem", "os.system", f"touch {marker}").dumps()
     forge(tmp_path / "run" / "step10", "model_and_optim/.metadata", payload)
+    # Resume reads shapes from the segment table (DCP's .metadata is for DCP): step 10's tensors are
+    # intact and load; the pickle is never decoded. `verify` decodes it and refuses it by name.
     resumed = subprocess.run([*args, "--report", "r.json"], cwd=tmp_path, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    assert json.loads((tmp_path / "r.json").read_text())["start_step"] == 5
+    assert json.loads((tmp_path / "r.json").read_text())["start_step"] == 10
     assert not marker.exists() and "Traceback" not in resumed.stderr
+    checked = subprocess.run([sys.executable, "-m", "ckptkeeper", "verify", "run/step10"], cwd=tmp_path,
+                             capture_output=True, text=True)  # fmt: skip
+    assert checked.returncode != 0 and "system" in checked.stdout + checked.stderr
+    assert not marker.exists()
 
 
 def test_a_failed_async_save_is_reported_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -59,7 +59,7 @@ class _Dotted:
     ],
 )
 def test_dotted_names_in_dcp_metadata_never_run(tmp_path: Path, module: str, name: str) -> None:
-    ckpt = Checkpointer()
+    ckpt = Checkpointer(writer="dcp")  # loads of DCP-written files decode .metadata (fast-path ones never do)
     ckpt.save(str(tmp_path), 1, _state())
     marker = tmp_path / "pwned"
     payload = _Dotted(module, name, f"touch {marker}").dumps()
@@ -286,7 +286,7 @@ def _plant_bytes_item(step: Path, marker: Path, disguise: bool) -> None:
 @pytest.mark.parametrize("disguise", [True, False], ids=["disguised", "plain"])
 def test_a_pickled_bytes_item_in_a_data_file_never_runs(tmp_path: Path, disguise: bool) -> None:
     # Found by an outside attack: DCP reads non-tensor items with torch.load(weights_only=False).
-    ckpt = Checkpointer()
+    ckpt = Checkpointer(writer="dcp")  # loads of DCP-written files decode .metadata (fast-path ones never do)
     ckpt.save(str(tmp_path), 1, _state())
     marker = tmp_path / "pwned"
     _plant_bytes_item(tmp_path / "step1", marker, disguise)
@@ -345,7 +345,7 @@ def test_a_refused_pickle_cannot_patch_allowed_classes_for_the_process(
         "hash": metadata.MetadataIndex.__hash__,
         "layout_attrs": dict(vars(torch.serialization._get_layout)),
     }
-    ckpt = Checkpointer()
+    ckpt = Checkpointer(writer="dcp")  # loads of DCP-written files decode .metadata (fast-path ones never do)
     ckpt.save(str(tmp_path), 1, _state())
     Checkpointer().save(str(tmp_path / "b"), 2, _state(1))
     forge(tmp_path / "step1", "model_and_optim/.metadata",

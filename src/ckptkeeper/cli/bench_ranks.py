@@ -41,7 +41,6 @@ from concurrent.futures import Future
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import distributed as D
@@ -74,18 +73,15 @@ def _join_group(device: str) -> bool:
     if device == "cuda":
         torch.cuda.set_device(D.get_local_rank())
     if all(os.environ.get(name) for name in ("RANK", "MASTER_ADDR", "MASTER_PORT")):
-        dist.init_process_group(backend=backend)  # torchrun's rendezvous (also with one process)
+        D.init_group(backend)  # torchrun's rendezvous (also with one process)
     elif world > 1:
         raise ConfigurationError(
             f"WORLD_SIZE={world} asks for several processes but RANK, MASTER_ADDR or MASTER_PORT is not set; "
             "start the benchmark with torchrun (which sets them), or unset WORLD_SIZE"
         )
     else:
-        # One process without torchrun: FSDP2 and DCP still want a group, and an in-memory store
-        # needs no free port.
-        from torch._C._distributed_c10d import HashStore
-
-        dist.init_process_group(backend=backend, store=HashStore(), rank=0, world_size=1)
+        # One process without torchrun: FSDP2 and DCP still want a group.
+        D.init_group(backend, alone=True)
     return True
 
 
@@ -214,7 +210,7 @@ def _measure(args: argparse.Namespace, root: str, base: str) -> dict[str, Any]:
     ours = Checkpointer(spool_dir=root)
     # DCP's async save gets a gloo group of its own, as ckptkeeper's does (Checkpointer.save_async
     # makes one), so that its background collectives never share a queue with the caller's.
-    dcp_group = dist.new_group(backend="gloo")
+    dcp_group = D.new_cpu_group()
     storage = storage_for(base)
     times = _Times()
     fetched: list[int] = []
@@ -311,7 +307,7 @@ def _report(
     }
     report: dict[str, Any] = {
         "world_size": world,
-        "backend": str(dist.get_backend()),
+        "backend": D.backend_name(),
         "device": args.device,
         "repeats": args.repeats,
         **shape,

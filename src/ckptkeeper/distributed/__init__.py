@@ -19,6 +19,7 @@ import torch.distributed as dist
 __all__ = [
     "all_agree",
     "all_gather_object",
+    "backend_name",
     "backend_supports_cpu",
     "barrier",
     "broadcast_object",
@@ -27,6 +28,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "init_from_env",
+    "init_group",
     "is_distributed",
     "lost_peer",
     "new_cpu_group",
@@ -145,6 +147,22 @@ def init_from_env() -> bool:
         torch.cuda.set_device(get_local_rank())
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     return True
+
+
+def init_group(backend: str, alone: bool = False) -> None:
+    """Create the default group with ``backend`` ("gloo", or "cpu:gloo,cuda:nccl"): from torchrun's
+    environment, or with ``alone`` as a one-process group on an in-memory store (no port needed)."""
+    if alone:
+        from torch._C._distributed_c10d import HashStore
+
+        dist.init_process_group(backend=backend, store=HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend=backend)
+
+
+def backend_name() -> str:
+    """The default group's backend, as torch names it ("" without a group)."""
+    return str(dist.get_backend()) if is_distributed() else ""
 
 
 def shutdown() -> None:

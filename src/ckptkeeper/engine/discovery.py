@@ -64,6 +64,7 @@ __all__ = [
     "read_olmo_train_state",
     "read_record",
     "read_segment_rows",
+    "read_segment_table",
     "read_small",
     "segment_tables",
     "verify",
@@ -339,7 +340,7 @@ def verify(path: str, checksums: bool = True, structure: bool = True) -> CommitR
 
 def verify_structure(path: str, record: CommitRecord) -> None:
     """Decode the small files (after checking their checksums) and check the data file's layout."""
-    from .fastio import parse_layout
+    from .fastio import parse_layout, saved_from_table
     from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 
     storage = storage_for(path)
@@ -368,7 +369,20 @@ def verify_structure(path: str, record: CommitRecord) -> None:
         try:
             if rel not in record.files:
                 raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
-            parse_layout(read_segment_rows(path, record, data_file), record.files[rel].bytes, metadata, data_file)
+            found = read_segment_table(path, record, data_file)
+            assert found is not None
+            parse_layout(found[0], record.files[rel].bytes, metadata, data_file)
+            if found[1] is not None:
+                # The tensor list loads use in place of DCP's metadata must say the same as it.
+                listed = saved_from_table(found[1])
+                parse_layout(found[0], record.files[rel].bytes, None, data_file, listed)
+                for fqn, (shape, dtype) in listed.items():
+                    md = metadata.state_dict_metadata.get(fqn)
+                    if not isinstance(md, TensorStorageMetadata) or (tuple(md.size), md.properties.dtype) != (
+                        shape,
+                        dtype,
+                    ):
+                        raise ValueError(f"the segment table and DCP's metadata disagree about {fqn[:80]!r}")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(
                 f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
@@ -405,6 +419,17 @@ def segment_tables(record: CommitRecord) -> dict[str, str | None]:
 
 def read_segment_rows(path: str, record: CommitRecord, data_file: str, local: str | None = None) -> Any:
     """The segment rows of ``data_file`` (checksum-checked, bounded), or None when it has no table."""
+    found = read_segment_table(path, record, data_file, local)
+    return None if found is None else found[0]
+
+
+def read_segment_table(
+    path: str, record: CommitRecord, data_file: str, local: str | None = None
+) -> tuple[Any, Any] | None:
+    """(segment rows, tensor list or None) of ``data_file``, checksum-checked and bounded; None
+    when it has no table. The tensor list (``{fqn: [dtype, shape]}``) is in single-process tables."""
+    from .fastio import TENSORS_KEY
+
     tables = segment_tables(record)
     if data_file not in tables:
         return None
@@ -413,13 +438,16 @@ def read_segment_rows(path: str, record: CommitRecord, data_file: str, local: st
         table = read_layout(path, record, local)
     else:
         data = read_small(local or path, rel, MAX_LAYOUT_BYTES, record.files[rel])
-        table = loads_bounded(data, f"{path}/{rel}", max_bytes=MAX_LAYOUT_BYTES, max_depth=8)
-    if not isinstance(table, dict) or set(table) != {f"{MODEL_DIR}/{data_file}"}:
+        # max_depth=None: parse_layout and saved_from_table accept only their fixed shape, so
+        # every deeper table is refused there (json's own recursion limit stops the absurd ones).
+        table = loads_bounded(data, f"{path}/{rel}", max_bytes=MAX_LAYOUT_BYTES, max_depth=None)
+    key = f"{MODEL_DIR}/{data_file}"
+    if not isinstance(table, dict) or key not in table or set(table) - {key, TENSORS_KEY}:
         raise CorruptCheckpointError(
             f"checkpoint {path} is corrupt: the segment table of {data_file} describes other files; load an "
             "earlier checkpoint or restore this one from a copy"
         )
-    return table[f"{MODEL_DIR}/{data_file}"]
+    return table[key], table.get(TENSORS_KEY)
 
 
 def read_layout(path: str, record: CommitRecord, local: str | None = None) -> Any:
@@ -434,7 +462,7 @@ def read_layout(path: str, record: CommitRecord, local: str | None = None) -> An
     if LAYOUT_FILE not in record.files:
         return None
     data = read_small(local or path, LAYOUT_FILE, MAX_LAYOUT_BYTES, record.files[LAYOUT_FILE])
-    return loads_bounded(data, f"{path}/{LAYOUT_FILE}", max_bytes=MAX_LAYOUT_BYTES, max_depth=8)
+    return loads_bounded(data, f"{path}/{LAYOUT_FILE}", max_bytes=MAX_LAYOUT_BYTES, max_depth=None)
 
 
 def verify_note(path: str) -> str | None:

@@ -27,13 +27,12 @@ import math
 import os
 import pickle
 import threading
-import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -54,12 +53,18 @@ _CHUNK = 64 << 20
 _SMALL_PIECE = 1 << 20  # pieces below this are joined with their neighbours into one write...
 _RUN_BYTES = 8 << 20  # ...of up to this many bytes
 _CRC_LOCK = threading.Lock()
-_SKELETONS: dict[tuple[tuple[int, ...], torch.dtype], tuple[bytes, bytes]] = {}
+_SKELETONS: dict[tuple[tuple[int, ...], torch.dtype], tuple[bytes, bytes, str, str]] = {}
+_METADATA: dict[Any, bytes] = {}
+_ITEM_SIZES: dict[torch.dtype, int] = {}
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A byte range of the data file: ``kind`` is "head", "data" or "tail" of tensor ``fqn``."""
+class Segment(NamedTuple):
+    """A byte range of the data file: ``kind`` is "head", "data" or "tail" of tensor ``fqn``.
+
+    A named tuple, not a dataclass: a checkpoint of many small tensors makes three per tensor on
+    every save and load, and a tuple is several times cheaper to build.
+    """
 
     kind: str
     fqn: str
@@ -68,7 +73,7 @@ class Segment:
     xxh3_64: str
 
     def to_json(self) -> list[Any]:
-        return [self.kind, self.fqn, self.offset, self.length, self.xxh3_64]
+        return list(self)
 
     @classmethod
     def from_json(cls, row: Any) -> Segment:
@@ -84,10 +89,44 @@ class Segment:
         return cls(kind, fqn, offset, length, digest)
 
 
-def parse_layout(rows: Any, file_size: int, metadata: Any, data_file: str = DATA_FILE) -> dict[str, dict[str, Segment]]:
+TENSORS_KEY = "tensors"
+"""The segment table's entry giving each tensor's dtype and shape: ``{fqn: [dtype, shape]}``."""
+
+_DTYPE_NAMES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def tensor_table(tree: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """``{fqn: [dtype, shape]}`` of a tree of plain tensors, for the segment table."""
+    return {fqn: [str(v.dtype), list(v.shape)] for fqn, _, v in _leaves(tree)}
+
+
+def saved_from_table(table: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The segment table's tensors as ``{fqn: (shape, dtype)}``; ValueError when malformed."""
+    if not isinstance(table, dict):
+        raise ValueError("the segment table's tensor list is not a table")
+    out = {}
+    for fqn, entry in table.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list) and len(entry[1]) <= 64):
+            raise ValueError(f"the segment table's entry for {fqn[:80]!r} is not [dtype, shape]")
+        dtype = _DTYPE_NAMES.get(entry[0]) if isinstance(entry[0], str) else None
+        if dtype is None or not all(type(n) is int and 0 <= n < 1 << 52 for n in entry[1]):
+            raise ValueError(f"the segment table's entry for {fqn[:80]!r} has no valid dtype and shape")
+        out[fqn] = (tuple(entry[1]), dtype)
+    return out
+
+
+def parse_layout(
+    rows: Any,
+    file_size: int,
+    metadata: Any,
+    data_file: str = DATA_FILE,
+    tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+) -> dict[str, dict[str, Segment]]:
     """Check a data file's layout against its size and DCP's metadata; returns segments by tensor.
 
-    ``data_file`` is the file's name inside ``model_and_optim`` (each rank writes its own).
+    ``data_file`` is the file's name inside ``model_and_optim`` (each rank writes its own). With
+    ``tensors`` (:func:`saved_from_table`; ``metadata`` may then be None) sizes are checked
+    against those shapes and dtypes instead of DCP's metadata.
 
     The segments must tile the file exactly (head, data, tail of each tensor, in order) and each
     tensor's byte range must be the one DCP's (checksummed) ``.metadata`` gives, so a layout that
@@ -95,24 +134,45 @@ def parse_layout(rows: Any, file_size: int, metadata: Any, data_file: str = DATA
     """
     if not isinstance(rows, list):
         raise ValueError("the data file's layout is not a list")
-    segments = [Segment.from_json(r) for r in rows]
-    if len(segments) % 3:
+    if len(rows) % 3:
         raise ValueError("the data file's layout does not hold whole tensors")
     by_fqn: dict[str, dict[str, Segment]] = {}
     pos = 0
-    for i in range(0, len(segments), 3):
-        trio = segments[i : i + 3]
-        if [s.kind for s in trio] != ["head", "data", "tail"] or len({s.fqn for s in trio}) != 1:
+    kinds = ("head", "data", "tail")
+    for i in range(0, len(rows), 3):
+        trio = []
+        for kind, row in zip(kinds, rows[i : i + 3], strict=True):
+            # Checked inline rather than by Segment.from_json: this runs for every tensor of every load.
+            if type(row) is not list or len(row) != 5:
+                raise ValueError(f"layout row {str(row)[:80]!r} is not [kind, name, offset, length, checksum]")
+            if row[0] != kind:
+                raise ValueError(f"layout rows {i}..{i + 2} are not one tensor's head, data and tail")
+            seg = Segment(*row)
+            if type(seg.fqn) is not str or type(seg.xxh3_64) is not str or type(seg.length) is not int:
+                raise ValueError(f"layout row {str(row)[:80]!r} is malformed")
+            if seg.offset != pos or type(seg.offset) is not int:
+                raise ValueError(f"segment {kind} of {str(seg.fqn)[:80]!r} starts at {seg.offset!r}, expected {pos}")
+            if not 0 <= seg.length < 1 << 52:
+                raise ValueError(f"layout row {str(row)[:80]!r} has an invalid offset or length")
+            pos += seg.length
+            trio.append(seg)
+        fqn = trio[0].fqn
+        if trio[1].fqn != fqn or trio[2].fqn != fqn:
             raise ValueError(f"layout rows {i}..{i + 2} are not one tensor's head, data and tail")
-        for s in trio:
-            if s.offset != pos:
-                raise ValueError(f"segment {s.kind} of {s.fqn[:80]!r} starts at {s.offset}, expected {pos}")
-            pos += s.length
-        if trio[0].fqn in by_fqn:
-            raise ValueError(f"tensor {trio[0].fqn[:80]!r} appears twice in the layout")
-        by_fqn[trio[0].fqn] = {s.kind: s for s in trio}
+        if fqn in by_fqn:
+            raise ValueError(f"tensor {fqn[:80]!r} appears twice in the layout")
+        by_fqn[fqn] = {"head": trio[0], "data": trio[1], "tail": trio[2]}
     if pos != file_size:
         raise ValueError(f"the layout covers {pos} bytes, the data file has {file_size}")
+    if tensors is not None:
+        if set(tensors) != set(by_fqn):
+            raise ValueError("the segment table's tensor list and its segments name different tensors")
+        for fqn, (shape, dtype) in tensors.items():
+            want = math.prod(shape) * _ITEM_SIZES.setdefault(dtype, torch.empty((), dtype=dtype).element_size())
+            held = by_fqn[fqn]["data"].length
+            if held != want:
+                raise ValueError(f"{fqn[:80]!r}: the layout holds {held} bytes, its shape needs {want}")
+        return by_fqn
     ranges = {}
     shapes = {}
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
@@ -128,12 +188,11 @@ def parse_layout(rows: Any, file_size: int, metadata: Any, data_file: str = DATA
         raise ValueError("the layout disagrees with the DCP metadata about where tensors are")
     for fqn, segs in by_fqn.items():
         md = metadata.state_dict_metadata.get(fqn)
-        props = getattr(md, "properties", None)
-        dtype = getattr(props, "dtype", None)
+        found = getattr(getattr(md, "properties", None), "dtype", None)
         size = shapes[fqn]
-        if size is None or not isinstance(dtype, torch.dtype):
+        if size is None or not isinstance(found, torch.dtype):
             raise ValueError(f"the DCP metadata has no tensor entry for {fqn[:80]!r}")
-        want = math.prod(size) * torch.empty((), dtype=dtype).element_size()
+        want = math.prod(size) * torch.empty((), dtype=found).element_size()
         if segs["data"].length != want:
             raise ValueError(f"{fqn[:80]!r}: the layout holds {segs['data'].length} bytes, its shape needs {want}")
     return by_fqn
@@ -167,7 +226,8 @@ def can_use_fast_path(tree: Mapping[str, Any]) -> bool:
     return True
 
 
-def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes]:
+def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
+    """The ``torch.save`` bytes around ``t``'s data (head, tail) and their checksums, cached per shape and dtype."""
     key = (tuple(t.shape), t.dtype)
     cached = _SKELETONS.get(key)
     if cached is not None:
@@ -185,9 +245,10 @@ def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes]:
     raw = buf.getvalue()
     offset = torch._C.PyTorchFileReader(io.BytesIO(raw)).get_record_offset("data/0")  # type: ignore[attr-defined]
     nbytes = t.numel() * t.element_size()
-    pair = (raw[:offset], raw[offset + nbytes :])
-    _SKELETONS[key] = pair
-    return pair
+    head, tail = raw[:offset], raw[offset + nbytes :]
+    entry = (head, tail, xxhash.xxh3_64_hexdigest(head), xxhash.xxh3_64_hexdigest(tail))
+    _SKELETONS[key] = entry
+    return entry
 
 
 def exact(t: torch.Tensor) -> torch.Tensor:
@@ -211,30 +272,50 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += n
 
 
-def _coalesce(pieces: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview | bytes]]:
-    """Adjacent small pieces joined into one write each (a copy of small bytes is cheaper than a
-    thread-pool job and a system call per tensor header); large pieces are written as they are."""
-    out: list[tuple[int, memoryview | bytes]] = []
-    run: list[memoryview] = []
-    run_start = run_end = 0
+def _gather(pieces: Iterable[tuple[int, Any]]) -> list[tuple[int, list[Any]]]:
+    """Write jobs for consecutive ``(offset, buffer)`` pieces of a file, in file order.
 
-    def flush() -> None:
-        if run:
-            out.append((run_start, run[0] if len(run) == 1 else b"".join(run)))
-            run.clear()
+    Large buffers go alone (in parts of _CHUNK); runs of small neighbours are gathered into one
+    ``pwritev`` each (a thread-pool job and a system call per tensor header cost more than the
+    bytes, and gathering needs no joining copy).
+    """
+    jobs: list[tuple[int, list[Any]]] = []
+    run: list[Any] = []
+    run_start = run_bytes = 0
+    for pos, buf in pieces:
+        n = len(buf)
+        if n >= _SMALL_PIECE:
+            if run:
+                jobs.append((run_start, run))
+                run = []
+            view = memoryview(buf)
+            jobs.extend((pos + i, [view[i : i + _CHUNK]]) for i in range(0, n, _CHUNK))
+        elif n:
+            if run and (run_bytes + n > _RUN_BYTES or len(run) >= _IOV_MAX):
+                jobs.append((run_start, run))
+                run = []
+            if not run:
+                run_start, run_bytes = pos, 0
+            run.append(buf)
+            run_bytes += n
+    if run:
+        jobs.append((run_start, run))
+    return jobs
 
-    for start, view in sorted(pieces, key=lambda p: p[0]):
-        if len(view) >= _SMALL_PIECE:
-            flush()
-            out.append((start, view))
-            continue
-        if not run or start != run_end or (run_end - run_start) + len(view) > _RUN_BYTES:
-            flush()
-            run_start = start
-        run.append(view)
-        run_end = start + len(view)
-    flush()
-    return out
+
+def _pwritev_all(fd: int, bufs: list[Any], offset: int) -> None:
+    """Write consecutive buffers at ``offset`` with one system call (no joining copy)."""
+    if len(bufs) == 1:
+        _pwrite_all(fd, memoryview(bufs[0]), offset)
+        return
+    done = os.pwritev(fd, bufs, offset)
+    pos = 0
+    for buf in bufs:  # a short write (rare): the rest, buffer by buffer
+        end = pos + len(buf)
+        if end > done:
+            skip = max(done - pos, 0)
+            _pwrite_all(fd, memoryview(buf)[skip:], offset + pos + skip)
+        pos = end
 
 
 def write_fast(model_dir: str, tree: Mapping[str, Any], threads: int = 2) -> tuple[dict[str, FileEntry], list[Segment]]:
@@ -246,12 +327,18 @@ def write_fast(model_dir: str, tree: Mapping[str, Any], threads: int = 2) -> tup
     os.makedirs(model_dir, exist_ok=True)
     leaves = [(fqn, path, exact(value)) for fqn, path, value in _leaves(tree)]
     entry, segments, starts = write_items(os.path.join(model_dir, DATA_FILE), [(f, t) for f, _, t in leaves], threads)
-    items = [
-        (fqn, path, t, start, segs)
-        for (fqn, path, t), start, segs in zip(leaves, starts, _trios(segments), strict=True)
-    ]
-    metadata = _metadata(items, model_dir)
-    meta_bytes = pickle.dumps(metadata)
+    # DCP's metadata depends only on names, shapes and dtypes (offsets follow from them): the
+    # bytes are made once per layout, as the skeletons are (pickling 10,000 entries takes longer
+    # than writing their bytes).
+    key = (tuple((path, t.shape, t.dtype) for _, path, t in leaves), tuple(starts))
+    meta_bytes = _METADATA.get(key)
+    if meta_bytes is None:
+        meta_bytes = pickle.dumps(_metadata([(f, p, t, s, segs) for (f, p, t), s, segs in
+                                             zip(leaves, starts, _trios(segments), strict=True)]))  # fmt: skip
+        with _CRC_LOCK:
+            if len(_METADATA) >= 4:
+                _METADATA.pop(next(iter(_METADATA)))
+            _METADATA[key] = meta_bytes
     return {DATA_FILE: entry, ".metadata": write_synced(os.path.join(model_dir, ".metadata"), meta_bytes)}, segments
 
 
@@ -283,43 +370,47 @@ def write_items(
     items = []
     offset = 0
     for fqn, t in tensors:
-        head, tail = _skeleton(t)
+        head, tail, head_sum, tail_sum = _skeleton(t)
         data = _bytes_of(t)
-        items.append((fqn, head, data, tail, offset))
+        items.append((fqn, head, data, tail, offset, head_sum, tail_sum))
         offset += len(head) + len(data) + len(tail)
     total = offset
+    pieces: list[tuple[int, Any]] = []
+    for _, head, data, tail, start, _, _ in items:
+        pieces += ((start, head), (start + len(head), data), (start + len(head) + len(data), tail))
+    jobs = _gather(pieces)
     fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         if total:
             # Reserve the space first: a full disk fails here, before any byte is written.
             os.posix_fallocate(fd, 0, total)
-        pieces: list[tuple[int, memoryview]] = []
-        for _, head, data, tail, start in items:
-            pieces.append((start, memoryview(head)))
-            for i in range(0, len(data), _CHUNK):
-                pieces.append((start + len(head) + i, data[i : i + _CHUNK]))
-            pieces.append((start + len(head) + len(data), memoryview(tail)))
 
-        def write_piece(piece: tuple[int, memoryview | bytes]) -> None:
-            _pwrite_all(fd, memoryview(piece[1]), piece[0])
+        def write_job(job: tuple[int, list[Any]]) -> None:
+            _pwritev_all(fd, job[1], job[0])
 
         segments: list[Segment] = []
         whole = new_hasher()
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-write") as pool:
-            jobs = _coalesce(pieces)
-            pending = [pool.submit(write_piece, p) for p in sorted(jobs, key=lambda p: -len(p[1]))]
+            pending = [pool.submit(write_job, j) for j in jobs]
             # Hash while the writers run: one sequential pass over the same memory, GIL released.
-            for fqn, head, data, tail, start in items:
-                for kind, view, off in (
-                    ("head", memoryview(head), start),
-                    ("data", data, start + len(head)),
-                    ("tail", memoryview(tail), start + len(head) + len(data)),
-                ):
+            for fqn, head, data, tail, start, head_sum, tail_sum in items:
+                whole.update(head)
+                if len(data) <= _CHUNK:
+                    data_sum = xxhash.xxh3_64_hexdigest(data)
+                    whole.update(data)
+                else:
                     h = new_hasher()
-                    for i in range(0, len(view), _CHUNK):
-                        h.update(view[i : i + _CHUNK])
-                        whole.update(view[i : i + _CHUNK])
-                    segments.append(Segment(kind, fqn, off, len(view), h.hexdigest()))
+                    for i in range(0, len(data), _CHUNK):
+                        h.update(data[i : i + _CHUNK])
+                        whole.update(data[i : i + _CHUNK])
+                    data_sum = h.hexdigest()
+                whole.update(tail)
+                at = start + len(head)
+                segments += (
+                    Segment("head", fqn, start, len(head), head_sum),
+                    Segment("data", fqn, at, len(data), data_sum),
+                    Segment("tail", fqn, at + len(data), len(tail), tail_sum),
+                )
             for fut in pending:
                 fut.result()
         os.fsync(fd)
@@ -328,7 +419,7 @@ def write_items(
     return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
 
 
-def _metadata(items: list[Any], model_dir: str) -> Metadata:
+def _metadata(items: list[Any]) -> Metadata:
     sd_meta: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     planner: dict[str, Any] = {}
@@ -347,7 +438,8 @@ def _metadata(items: list[Any], model_dir: str) -> Metadata:
         state_dict_metadata=sd_meta,
         planner_data=planner,
         storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=model_dir, save_id=uuid.uuid4().hex),
+        # No per-save identity: the bytes are reused for every save of the same layout.
+        storage_meta=StorageMeta(checkpoint_id=None, save_id=""),
     )
 
 
@@ -430,11 +522,10 @@ def read_fast(
                 for kind in ("head", "data", "tail"):
                     seg = segs[kind]
                     if verify:
-                        h = new_hasher()
-                        h.update(view[seg.offset - start : seg.offset - start + seg.length])
-                        if h.hexdigest() != seg.xxh3_64:
+                        got = xxhash.xxh3_64_hexdigest(view[seg.offset - start : seg.offset - start + seg.length])
+                        if got != seg.xxh3_64:
                             raise CorruptCheckpointError(
-                                f"{where} is corrupt: the bytes of {fqn} ({kind}) have checksum {h.hexdigest()}, "
+                                f"{where} is corrupt: the bytes of {fqn} ({kind}) have checksum {got}, "
                                 f"the checkpoint says {seg.xxh3_64}; load an earlier checkpoint or restore this "
                                 "one from a copy"
                             )

@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointMismatchError",
     "Rollback",
     "check_fit",
+    "check_unread",
     "read_metadata",
     "read_train_state",
     "read_verified",
@@ -103,6 +104,15 @@ def read_metadata(local: str, record: CommitRecord, where: str) -> Any:
     data = read_verified(local, rel, record.files[rel], where, MAX_METADATA_BYTES)
     data_files = [k[len(MODEL_DIR) + 1 :] for k in record.files if k.startswith(MODEL_DIR + "/")]
     return safe_load_metadata(data, f"{where}/{rel}", data_files)
+
+
+def check_unread(local: str, record: CommitRecord, where: str) -> None:
+    """Check DCP's ``.metadata`` against its size and checksum without decoding it (for loads that
+    take shapes from the segment table)."""
+    rel = f"{MODEL_DIR}/.metadata"
+    if rel not in record.files:
+        raise CorruptCheckpointError(f"checkpoint {where} is corrupt: its commit record lists no {rel}")
+    read_verified(local, rel, record.files[rel], where, MAX_METADATA_BYTES)
 
 
 def saved_tensors(metadata: Any) -> dict[str, SavedTensor | None]:

@@ -29,14 +29,14 @@ from ..storage.layout import MODEL_DIR
 from . import discovery
 from .agreement import agree, load_error, unwrap
 from .deleter import new_spool
-from .fastio import DATA_FILE, can_use_fast_path, parse_layout, read_fast
-from .loader import CheckpointMismatchError, Rollback, read_metadata, read_train_state, saved_tensors
+from .fastio import DATA_FILE, can_use_fast_path, parse_layout, read_fast, saved_from_table
+from .loader import CheckpointMismatchError, Rollback, check_unread, read_metadata, read_train_state, saved_tensors
 from .metrics import emit
 from .record import CommitRecord, hash_file
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .saving import quiet_dcp, tensor_bytes
 from .sharded import LocalSource, RemoteSource, Source, plan_reads, read_pieces
-from .state import TrainingState
+from .state import SavedTensor, TrainingState
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -184,22 +184,45 @@ def _load_verified(
                 rank,
                 record.world_size,
             )
-        if isinstance(record, discovery.OlmoCoreRecord):
+        tables = {} if olmo else discovery.segment_tables(record)
+        single = world == 1 and remote is None and record.world_size == 1 and list(tables) == [DATA_FILE]
+        metadata: Any = None
+        listed = None
+        if single:
+            found = discovery.read_segment_table(path, record, DATA_FILE, local)
+            rows, table = found if found is not None else (None, None)
+            if table is not None:
+                try:
+                    listed = saved_from_table(table)
+                except ValueError as exc:
+                    raise CorruptCheckpointError(
+                        f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore it from a copy"
+                    ) from None
+        saved: dict[str, SavedTensor | None]
+        if listed is not None:
+            # The segment table lists shapes and dtypes: DCP's metadata (thousands of pickled
+            # objects for a model of many tensors) is not decoded on this path, only checked
+            # against its checksum (cheap), so a swapped or damaged file is still refused here.
+            check_unread(local, record, path)
+            saved = {fqn: SavedTensor(shape, dtype) for fqn, (shape, dtype) in listed.items()}
+        elif isinstance(record, discovery.OlmoCoreRecord):
             metadata = discovery.check_olmo_core(local, record, path)
+            saved = saved_tensors(metadata)
         else:
             metadata = read_metadata(local, record, path)
-        # Where each tensor goes, checked against the metadata (and state.strict) before anything is read.
-        plan = state.plan_load(saved_tensors(metadata), None if olmo else doc.get("state_meta", {}), path)
+            saved = saved_tensors(metadata)
+        # Where each tensor goes, checked against the checkpoint (and state.strict) before anything is read.
+        plan = state.plan_load(saved, None if olmo else doc.get("state_meta", {}), path)
         prep.update(doc=doc, plan=plan)
-        tables = discovery.segment_tables(record)
         if not tables or not plan.same_dtypes:
             return "download" if remote is not None else "dcp"
-        if world == 1 and remote is None and record.world_size == 1 and list(tables) == [DATA_FILE]:
+        if single:
             if not can_use_fast_path(plan.tensors):
                 return "dcp"
-            rows = discovery.read_segment_rows(path, record, DATA_FILE, local)
-            prep["by_fqn"] = _parsed(path, rows, record, metadata, DATA_FILE)
+            prep["by_fqn"] = _parsed(path, rows, record, metadata, DATA_FILE, listed)
             return "single"
+        if metadata is None:
+            metadata = read_metadata(local, record, path)
         parsed: dict[str, Any] = {}
 
         def segments(data_file: str) -> Any:
@@ -293,12 +316,12 @@ def _load_verified(
     return train_state, {"single": "fast"}.get(mode, mode)
 
 
-def _parsed(path: str, rows: Any, record: CommitRecord, metadata: Any, data_file: str) -> Any:
+def _parsed(path: str, rows: Any, record: CommitRecord, metadata: Any, data_file: str, listed: Any = None) -> Any:
     rel = f"{MODEL_DIR}/{data_file}"
     try:
         if rel not in record.files:
             raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
-        return parse_layout(rows, record.files[rel].bytes, metadata, data_file)
+        return parse_layout(rows, record.files[rel].bytes, metadata, data_file, listed)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(
             f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"

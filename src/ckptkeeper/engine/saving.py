@@ -35,7 +35,7 @@ from ..storage.local import translate_os_error
 from .agreement import agree, unwrap
 from .commit import CommitMethod
 from .discovery import LAYOUT_FILE
-from .fastio import DATA_FILE, Segment, can_use_fast_path, write_fast, write_synced
+from .fastio import DATA_FILE, TENSORS_KEY, Segment, can_use_fast_path, tensor_table, write_fast, write_synced
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
 from .sharded import Piece, PieceEntry, build_metadata, local_pieces, write_shard
@@ -202,7 +202,9 @@ def write_checkpoint(
             written.update({f"{MODEL_DIR}/{k}": v for k, v in fast_files.items()})
             # The segment table goes in a file of its own (hashed with this rank's files): in the
             # record it would grow with the number of tensors, and ls reads every record.
-            table = {f"{MODEL_DIR}/{DATA_FILE}": [seg.to_json() for seg in segments]}
+            # Shapes and dtypes ride along, so loads need not decode DCP's metadata (10,000
+            # pickled entries cost more than reading the tensors); DCP's .metadata is for DCP.
+            table = {f"{MODEL_DIR}/{DATA_FILE}": segments, TENSORS_KEY: tensor_table(tensors)}
             with translate_os_error(work):
                 storage_for(work).write_bytes(os.path.join(work, LAYOUT_FILE), json.dumps(table).encode())
         return None

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -55,7 +56,7 @@ from ..errors import CorruptCheckpointError
 from ..storage import Storage
 from ..storage.layout import MODEL_DIR
 from .fastio import _SMALL_PIECE, Segment, _bytes_of, _leaves, exact, write_items, write_synced
-from .record import FileEntry, new_hasher
+from .record import FileEntry
 
 __all__ = [
     "LocalSource",
@@ -412,11 +413,10 @@ def plan_reads(
 
 
 def _check(where: str, read: _Read, kind: str, view: memoryview) -> None:
-    h = new_hasher()
-    h.update(view)
-    if h.hexdigest() != read.segs[kind].xxh3_64:
+    got = xxhash.xxh3_64_hexdigest(view)
+    if got != read.segs[kind].xxh3_64:
         raise CorruptCheckpointError(
-            f"{where}/{read.file} is corrupt: the bytes of {read.fqn} ({kind}) have checksum {h.hexdigest()}, the "
+            f"{where}/{read.file} is corrupt: the bytes of {read.fqn} ({kind}) have checksum {got}, the "
             f"checkpoint says {read.segs[kind].xxh3_64}; load an earlier checkpoint or restore this one from a copy"
         )
 
