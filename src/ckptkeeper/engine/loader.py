@@ -27,6 +27,7 @@ from ..errors import CorruptCheckpointError
 from ..storage import is_url, storage_for
 from ..storage.layout import MODEL_DIR, train_state_name
 from ..storage.local import open_regular
+from .fastio import _bytes_of
 from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, loads_bounded
 from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 from .staging import Stager
@@ -161,6 +162,9 @@ def check_fit(tensors: Mapping[str, Any], metadata: Any, where: str) -> bool:
     return same_dtypes
 
 
+_SMALL_COPY = 1 << 20
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -197,7 +201,11 @@ class Rollback:
         """
         if name not in self._leaves:
             return
-        if length:
+        if 0 < length < _SMALL_COPY:
+            # A plain memory copy: a handful of torch calls per small tensor cost more than its bytes.
+            src_view = _bytes_of(_local(self._leaves[name]).detach())
+            _bytes_of(self._buffers[name])[start : start + length] = src_view[start : start + length]
+        elif length:
             src = self._bytes(_local(self._leaves[name]))
             self._bytes(self._buffers[name])[start : start + length].copy_(src[start : start + length])
         with self._lock:
