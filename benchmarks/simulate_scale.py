@@ -1,8 +1,9 @@
 """Bookkeeping at scale without the processes: what N ranks x K tensors cost the commit record and ``ls``.
 
-Builds, for each simulated rank, the files a sharded save writes (its DCP data file and its
-trainer-state JSON; rank 0 also DCP's ``.metadata``) and the table of them it hands rank 0 (the
-gather of the save's "writing trainer state" step), then the commit record rank 0 writes. It
+Builds, for each simulated rank, the files a sharded save writes (its DCP data file, its segment
+table and its trainer-state JSON; rank 0 also DCP's ``.metadata``) and the table of them it hands
+rank 0 (the gather of the save's "writing trainer state" step), then the commit record rank 0
+writes; and the size of the per-piece entries rank 0 gathers to write DCP's ``.metadata``. It
 then lays ``--checkpoints`` such checkpoints out on local disk (sparse files of the right sizes,
 the real records) and times ``ckptkeeper``'s listing, which reads only each record and the
 folder's file sizes. Tensor counts matter only to what per-tensor bookkeeping would cost; the
@@ -22,8 +23,11 @@ import tempfile
 import time
 from typing import Any
 
+import torch
+
 from ckptkeeper.engine import discovery
 from ckptkeeper.engine.record import CommitRecord, FileEntry
+from ckptkeeper.engine.sharded import layout_name
 from ckptkeeper.storage.layout import COMMIT_RECORD, MODEL_DIR, step_dir_name, train_state_name
 
 ROW_BYTES_INLINE = 282
@@ -34,6 +38,8 @@ def rank_files(rank: int, tensors: int, tensor_bytes: int) -> dict[str, FileEntr
     """What one rank writes and hashes in a sharded save (a fake checksum per file)."""
     files = {
         f"{MODEL_DIR}/__{rank}_0.distcp": FileEntry(tensors * tensor_bytes, f"{rank:016x}"),
+        # Its segment table: three rows (head, data, tail) of about 100 bytes per tensor.
+        layout_name(rank): FileEntry(tensors * 300, f"{rank + 2:016x}"),
         train_state_name(rank): FileEntry(2048, f"{rank + 1:016x}"),
     }
     if rank == 0:
@@ -45,6 +51,12 @@ def simulate(ranks: int, tensors: int, checkpoints: int, tensor_bytes: int = 409
     """Build the record and the gather for ``ranks`` x ``tensors``, then time listing ``checkpoints`` of them."""
     per_rank = [rank_files(r, tensors, tensor_bytes) for r in range(ranks)]
     gathered = sum(len(pickle.dumps(files)) for files in per_rank)  # all_gather_object pickles each rank's table
+    # Rank 0 also gathers one entry per piece of every rank, to write DCP's .metadata (DCP's own
+    # format names every piece): measured for one rank's entries, times the ranks.
+    entries = [(f"layers.{i}.weight", ("layers", str(i), "weight"), (4096, 4096), torch.float32,
+                (4096 // ranks * 0, 0), (4096 // ranks, 4096), i * tensor_bytes, tensor_bytes)
+               for i in range(tensors)]  # fmt: skip
+    metadata_gather = len(pickle.dumps(entries)) * ranks
     files: dict[str, FileEntry] = {}
     for part in per_rank:
         files.update(part)
@@ -73,6 +85,7 @@ def simulate(ranks: int, tensors: int, checkpoints: int, tensor_bytes: int = 409
         "record_bytes": len(record),
         "record_bytes_if_segments_were_inline": len(record) + ranks * tensors * ROW_BYTES_INLINE,
         "bytes_rank0_gathers": gathered,
+        "bytes_rank0_gathers_for_dcp_metadata": metadata_gather,
         "checkpoints_listed": checkpoints,
         "ls_seconds_per_checkpoint": took / checkpoints,
     }

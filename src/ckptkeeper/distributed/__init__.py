@@ -23,6 +23,7 @@ __all__ = [
     "backend_supports_cpu",
     "barrier",
     "broadcast_object",
+    "gather_object",
     "get_fs_local_rank",
     "get_local_rank",
     "get_rank",
@@ -121,6 +122,17 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
         return [obj]
     out: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: T, group: Any = None) -> list[T] | None:
+    """Every rank's ``obj`` on the group's rank 0, in rank order (None on the others; ``[obj]`` alone)."""
+    if not is_distributed():
+        return [obj]
+    rank = get_rank(group)
+    out: list[Any] | None = [None] * get_world_size(group) if rank == 0 else None
+    # dst is a global rank (group_dst only exists in newer torch).
+    dist.gather_object(obj, out, dst=0 if group is None else dist.get_global_rank(group, 0), group=group)
     return out
 
 

@@ -188,13 +188,14 @@ def write_checkpoint(
         pieces.extend(found[0])
         return found[1]
 
-    def write_tensors() -> list[PieceEntry] | None:
+    def write_tensors() -> None:
         enter("writing tensors")
         if sharded:
             with translate_os_error(work):
                 shard_files, entries = write_shard(os.path.join(work, MODEL_DIR), pieces, rank, settings.io_threads)
             written.update(shard_files)
-            return entries
+            my_entries.extend(entries)
+            return
         with translate_os_error(work):
             out = _write_tensors(settings, os.path.join(work, MODEL_DIR), tensors, world)
         if out is not None:
@@ -213,7 +214,7 @@ def write_checkpoint(
         enter("writing trainer state")
         if sharded and rank == 0:
             # DCP's .metadata, from every rank's pieces: stock DCP reads the checkpoint with it.
-            metadata = build_metadata([e or [] for e in all_entries], os.path.join(work, MODEL_DIR))
+            metadata = build_metadata(all_entries, os.path.join(work, MODEL_DIR))
             with translate_os_error(work):
                 written[f"{MODEL_DIR}/.metadata"] = write_synced(
                     os.path.join(work, MODEL_DIR, ".metadata"), pickle.dumps(metadata)
@@ -234,14 +235,18 @@ def write_checkpoint(
 
     pieces: list[Piece] = []
     sharded = False
-    all_entries: list[list[PieceEntry] | None] = []
+    my_entries: list[PieceEntry] = []
+    all_entries: list[list[PieceEntry]] = []
     try:
         signatures = agree(prepare, step, pg)
         # Every rank takes the same path: the per-rank fast writer only where all ranks can, and
         # with the same replicated tensors (their writers are chosen from that list).
         sharded = world > 1 and signatures[0] is not None and len(set(signatures)) == 1
         stage = "writing tensors"
-        all_entries = agree(write_tensors, step, pg)
+        agree(write_tensors, step, pg)
+        if sharded:
+            # Only rank 0 writes DCP's metadata, so only rank 0 receives every rank's pieces.
+            all_entries = D.gather_object(my_entries, group=pg) or []
         stage = "writing trainer state and uploading" if commit.uploads else "writing trainer state"
         for part in agree(finish_own_files, step, pg):
             files.update(part)

@@ -102,9 +102,10 @@ class Piece:
     """Whether this rank is the one that writes it (replicated pieces are written once)."""
 
 
-PieceEntry = tuple[str, tuple[str, ...], tuple[int, ...], Any, tuple[int, ...], tuple[int, ...], int, int]
-"""What rank 0 needs of each written piece: (fqn, path, global shape, TensorProperties, offsets,
-sizes, start in the rank's data file, length)."""
+PieceEntry = tuple[str, tuple[str, ...], tuple[int, ...], torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
+"""What rank 0 needs of each written piece: (fqn, path, global shape, dtype, offsets, sizes,
+start in the rank's data file, length). Rank 0 gathers one per piece of every rank (DCP's
+metadata names every piece), so it is kept to plain values."""
 
 
 def _plain_placements(placements: Any) -> bool:
@@ -210,8 +211,7 @@ def write_shard(
     entries: list[PieceEntry] = []
     for i, (p, (_, t), start) in enumerate(zip(mine, tensors, starts, strict=True)):
         length = sum(s.length for s in segments[3 * i : 3 * i + 3])
-        props = TensorProperties.create_from_tensor(t)
-        entries.append((p.fqn, p.path, p.global_shape, props, p.offsets, tuple(t.shape), start, length))
+        entries.append((p.fqn, p.path, p.global_shape, t.dtype, p.offsets, tuple(t.shape), start, length))
     return files, entries
 
 
@@ -222,11 +222,12 @@ def build_metadata(per_rank: list[list[PieceEntry]], model_dir: str) -> Metadata
     planner: dict[str, Any] = {}
     covered: dict[str, int] = {}
     for rank, entries in enumerate(per_rank):
-        for fqn, path, shape, props, offsets, sizes, start, length in entries:
+        for fqn, path, shape, dtype, offsets, sizes, start, length in entries:
             md = sd_meta.get(fqn)
             if md is None:
+                props = TensorProperties(dtype=dtype)
                 md = sd_meta[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(shape), chunks=[])
-            elif tuple(md.size) != tuple(shape) or md.properties.dtype != props.dtype:
+            elif tuple(md.size) != tuple(shape) or md.properties.dtype != dtype:
                 raise ValueError(f"ranks disagree about the shape or dtype of {fqn}")
             md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             storage[MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(md.chunks) - 1)] = _StorageInfo(
