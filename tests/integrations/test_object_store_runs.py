@@ -74,7 +74,8 @@ def _proxy_env(monkeypatch: pytest.MonkeyPatch, proxy: FaultProxy) -> None:
 
 def test_throttling_503_slowdown_is_retried(moto: MotoServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     bucket = make_bucket(moto.url)
-    proxy = FaultProxy(moto.port, lambda method, path, n: SLOW_DOWN if n % 5 == 0 else None)
+    # One request in nine is throttled: enough faults to prove the retries, few enough backoffs to be quick.
+    proxy = FaultProxy(moto.port, lambda method, path, n: SLOW_DOWN if n % 9 == 0 else None)
     try:
         _proxy_env(monkeypatch, proxy)
         root = f"s3://{bucket}/run"

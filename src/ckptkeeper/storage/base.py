@@ -8,6 +8,9 @@ record last, create-only. Everything above this layer speaks only these primitiv
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigurationError
 
-__all__ = ["FileInfo", "Storage"]
+__all__ = ["FileInfo", "Storage", "Upload"]
 
 _COUNT_LOCK = threading.Lock()
 
@@ -26,6 +29,49 @@ class FileInfo:
 
     relpath: str
     size: int
+
+
+class Upload(ABC):
+    """One file written as a stream of bytes, visible only once :meth:`close` returns.
+
+    Object stores upload it in parts as it is written (multipart), so a writer holds a few parts
+    in memory, never the whole file. ``write`` copies what it is given (the caller may reuse it).
+    """
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data`` to the file."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish the upload: the file exists whole afterwards."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give up: nothing of the file stays (best effort; never raises)."""
+
+
+class _SpooledUpload(Upload):
+    """The default: a temporary local file, uploaded whole on close (backends without streaming)."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self._storage, self._path = storage, path
+        self._file = tempfile.NamedTemporaryFile(prefix="ckptkeeper-upload-", delete=False)  # noqa: SIM115
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+
+    def close(self) -> None:
+        self._file.close()
+        try:
+            self._storage.upload(self._file.name, self._path)
+        finally:
+            os.unlink(self._file.name)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()
+            os.unlink(self._file.name)
 
 
 class Storage(ABC):
@@ -94,6 +140,10 @@ class Storage(ABC):
     @abstractmethod
     def upload(self, local_path: str, path: str) -> None:
         """Copy a local file to ``path`` (all or nothing)."""
+
+    def open_upload(self, path: str) -> Upload:
+        """A file at ``path`` written as a stream (see :class:`Upload`); object stores stream it in parts."""
+        return _SpooledUpload(self, path)
 
     @abstractmethod
     def download(self, path: str, local_path: str) -> None:

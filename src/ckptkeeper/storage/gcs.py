@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import StorageAccessError, StorageError
-from .base import FileInfo, Storage
+from .base import FileInfo, Storage, Upload
 
 __all__ = ["GCSStorage"]
 
@@ -111,6 +111,9 @@ class GCSStorage(Storage):
         with self._errors(path):
             self.fs.put_file(local_path, _key(path))
 
+    def open_upload(self, path: str) -> Upload:
+        return _GCSUpload(self, path)
+
     def download(self, path: str, local_path: str) -> None:
         with self._errors(path):
             self.fs.get_file(_key(path), local_path)
@@ -150,3 +153,29 @@ class GCSStorage(Storage):
             raise StorageAccessError(
                 f"bucket '{bucket}' does not exist ({path}); create it or fix the save folder URL"
             ) from None
+
+
+_BLOCK = 16 << 20
+
+
+class _GCSUpload(Upload):
+    """A resumable upload through gcsfs (a block at a time); committed on close, cancelled on abort."""
+
+    def __init__(self, storage: GCSStorage, path: str) -> None:
+        self._gcs, self._path = storage, path
+        with storage._errors(path):
+            # autocommit=False: the object appears only at commit(), never as a partial file.
+            self._file = storage.fs.open(_key(path), "wb", block_size=_BLOCK, autocommit=False)
+
+    def write(self, data: bytes | memoryview) -> None:
+        with self._gcs._errors(self._path):
+            self._file.write(bytes(data))
+
+    def close(self) -> None:
+        with self._gcs._errors(self._path):
+            self._file.close()
+            self._file.commit()
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._file.discard()

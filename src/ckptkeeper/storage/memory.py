@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from .base import FileInfo, Storage
+from .base import FileInfo, Storage, Upload
 
 __all__ = ["MemoryStorage"]
 
@@ -79,6 +79,9 @@ class MemoryStorage(Storage):
         with open(local_path, "rb") as f:
             self.write_bytes(path, f.read())
 
+    def open_upload(self, path: str) -> Upload:
+        return _MemoryUpload(self, path)
+
     def download(self, path: str, local_path: str) -> None:
         data = self.read_bytes(path)
         with open(local_path, "wb") as f:
@@ -108,3 +111,17 @@ class MemoryStorage(Storage):
         with _LOCK:
             for store in _STORES.values():
                 store.clear()
+
+
+class _MemoryUpload(Upload):
+    def __init__(self, storage: MemoryStorage, path: str) -> None:
+        self._storage, self._path, self._buf = storage, path, bytearray()
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._buf += data
+
+    def close(self) -> None:
+        self._storage.write_bytes(self._path, bytes(self._buf))
+
+    def abort(self) -> None:
+        self._buf = bytearray()

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import StorageAccessError, StorageError
-from .base import FileInfo, Storage
+from .base import FileInfo, Storage, Upload
 
 __all__ = ["S3Storage"]
 
@@ -191,6 +193,9 @@ class S3Storage(Storage):
         with self._errors(path):
             self.client.upload_file(local_path, bucket, key, Config=self.transfer)
 
+    def open_upload(self, path: str) -> Upload:
+        return _S3Upload(self, path)
+
     def download(self, path: str, local_path: str) -> None:
         bucket, key = split_url(path)
         with self._errors(path):
@@ -265,3 +270,83 @@ class S3Storage(Storage):
                     ) from exc
                 raise
             self.client.list_objects_v2(Bucket=bucket, Prefix=f"{key}/" if key else "", MaxKeys=1)
+
+
+class _S3Upload(Upload):
+    """A multipart upload fed part by part: at most a few parts are in memory at once.
+
+    A file smaller than one part is sent with one put. A failure anywhere aborts the multipart
+    upload; one left by a killed writer is aborted by the intent clean-up (``abort_uploads``).
+    """
+
+    _IN_FLIGHT = 4
+
+    def __init__(self, storage: S3Storage, path: str) -> None:
+        self._s3, self._path = storage, path
+        self._bucket, self._key = split_url(path)
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._slots = threading.Semaphore(self._IN_FLIGHT)
+
+    def _send(self, number: int, body: bytes) -> dict[str, Any]:
+        try:
+            with self._s3._errors(self._path):
+                r = self._s3.client.upload_part(
+                    Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=body
+                )
+            return {"PartNumber": number, "ETag": r["ETag"]}
+        finally:
+            self._slots.release()
+
+    def _flush(self) -> None:
+        if self._upload_id is None:
+            with self._s3._errors(self._path):
+                self._upload_id = self._s3.client.create_multipart_upload(Bucket=self._bucket, Key=self._key)[
+                    "UploadId"
+                ]
+            self._pool = ThreadPoolExecutor(max_workers=self._IN_FLIGHT, thread_name_prefix="ckptkeeper-part")
+        assert self._pool is not None
+        for done in self._parts:
+            if done.done() and done.exception() is not None:
+                raise done.exception()  # type: ignore[misc]
+        body, self._buf = bytes(self._buf), bytearray()
+        self._slots.acquire()  # bounded memory: wait while _IN_FLIGHT parts are on their way
+        self._parts.append(self._pool.submit(self._send, len(self._parts) + 1, body))
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), _PART - len(self._buf))
+            self._buf += view[:take]
+            view = view[take:]
+            if len(self._buf) >= _PART:
+                self._flush()
+
+    def close(self) -> None:
+        if self._upload_id is None:
+            with self._s3._errors(self._path):
+                self._s3.client.put_object(Bucket=self._bucket, Key=self._key, Body=bytes(self._buf))
+            return
+        if self._buf:
+            self._flush()
+        try:
+            parts = [f.result() for f in self._parts]
+            with self._s3._errors(self._path):
+                self._s3.client.complete_multipart_upload(
+                    Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
+                )
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._upload_id is not None:
+            with contextlib.suppress(Exception):
+                self._s3.client.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)
