@@ -193,12 +193,12 @@ class Checkpointer:
                 self.save(save_folder, step, state, train_state=train_state, ephemeral=ephemeral, metrics=checked)
             )
             return final_path(save_folder, step), done
-        staged = self._stager.stage(tensors)
+        staged = self._stager.stage_lazily(tensors)
         payload = train_payload(step, train_state, meta)
         blocked = time.perf_counter() - t0
 
         def run() -> SaveResult:
-            r = self._write(save_folder, step, staged, payload, ephemeral, t0, checked)
+            r = self._write(save_folder, step, staged(), payload, ephemeral, t0, checked)
             result = dataclasses.replace(r, blocked_s=blocked)
             emit_save(result, is_async=True)
             return result

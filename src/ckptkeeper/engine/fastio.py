@@ -177,6 +177,13 @@ def parse_layout(
             held = by_fqn[fqn]["data"].length
             if held != want:
                 raise ValueError(f"{fqn[:80]!r}: the layout holds {held} bytes, its shape needs {want}")
+            # The listed shape and dtype must be the ones inside the tensor's own torch.save
+            # header (whose bytes are checked against these sums as they are read): the list
+            # cannot make a load read [8, 4] as [4, 8]. (Cached per shape and dtype.)
+            if (by_fqn[fqn]["head"].xxh3_64, by_fqn[fqn]["tail"].xxh3_64) != skeleton_sums(shape, dtype):
+                raise ValueError(
+                    f"{fqn[:80]!r}: the segment table's shape or dtype is not the one the data was saved with"
+                )
         return by_fqn
     ranges = {}
     shapes = {}
@@ -221,14 +228,23 @@ def _leaves(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> Iterator[tup
             yield ".".join(p), p, value
 
 
-def can_use_fast_path(tree: Mapping[str, Any]) -> bool:
-    """Whether every leaf is a plain CPU tensor (no DTensor, no GPU tensor, no other object)."""
+def can_use_fast_path(tree: Mapping[str, Any], loading: bool = False) -> bool:
+    """Whether every leaf is a plain CPU tensor (no DTensor, no GPU tensor, no other object); to
+    load into, also contiguous (its bytes are read straight into its memory)."""
     for _, _, v in _leaves(tree):
         if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
             return False
         if v.device.type != "cpu" or v.is_sparse or v.is_quantized:
             return False
+        if loading and (not v.is_contiguous() or v.is_conj() or v.is_neg()):
+            return False
     return True
+
+
+def skeleton_sums(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, str]:
+    """The checksums of the ``torch.save`` head and tail of a tensor of ``shape`` and ``dtype``."""
+    _, _, head, tail = _skeleton(torch.empty(shape, dtype=dtype, device="meta"))
+    return head, tail
 
 
 def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
@@ -259,6 +275,9 @@ def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
 def exact(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when it is contiguous and owns exactly its storage, else a compact copy."""
     t = t.detach()
+    if t.is_conj() or t.is_neg():
+        # A lazy conjugate or negation: its memory holds the other values; write the real ones.
+        t = t.resolve_conj().resolve_neg()
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     return t.contiguous().clone()

@@ -184,8 +184,16 @@ class Rollback:
         self._buffers = stager.buffers_for(tensors)
         self._saved: dict[str, int] = {}  # bytes backed up from the start of each tensor
         self._lock = threading.Lock()
-        if not incremental:
-            for name, t in self._leaves.items():
+        by_storage: dict[int, list[str]] = {}
+        for name, t in self._leaves.items():
+            local = _local(t)
+            if local.numel():
+                by_storage.setdefault(local.untyped_storage().data_ptr(), []).append(name)
+        # Tensors that share memory (tied weights) are backed up up front: backed up one at a
+        # time, the second copy would be taken after the first name's load had overwritten it.
+        shared = {n for names in by_storage.values() if len(names) > 1 for n in names}
+        for name, t in self._leaves.items():
+            if not incremental or name in shared:
                 self._buffers[name].copy_(_local(t).detach())
                 self._saved[name] = -1  # the whole tensor
 
@@ -199,7 +207,7 @@ class Rollback:
         Pieces of one tensor come in order, from its first byte on. Tensors this rollback does not
         guard (new ones, such as a load's optimizer state) are ignored.
         """
-        if name not in self._leaves:
+        if name not in self._leaves or self._saved.get(name) == -1:
             return
         if 0 < length < _SMALL_COPY:
             # A plain memory copy: a handful of torch calls per small tensor cost more than its bytes.

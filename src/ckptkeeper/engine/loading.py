@@ -217,7 +217,7 @@ def _load_verified(
         if not tables or not plan.same_dtypes:
             return "download" if remote is not None else "dcp"
         if single:
-            if not can_use_fast_path(plan.tensors):
+            if not can_use_fast_path(plan.tensors, loading=True):
                 return "dcp"
             prep["by_fqn"] = _parsed(path, rows, record, metadata, DATA_FILE, listed)
             return "single"

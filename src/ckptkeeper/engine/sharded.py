@@ -446,15 +446,19 @@ def read_pieces(
     """
     backed: set[str] = set()
     lock = threading.Lock()
+    tensor_locks: dict[str, threading.Lock] = {}
 
     def backup(read: _Read) -> None:
         if before_write is None:
             return
         with lock:
-            if read.fqn in backed:
-                return
-            backed.add(read.fqn)
-        before_write(read.fqn, 0, read.dest.numel() * read.dest.element_size())
+            own = tensor_locks.setdefault(read.fqn, threading.Lock())
+        # Held until the copy is done: another reader with another piece of the same tensor must
+        # not write into it while its backup is still being taken.
+        with own:
+            if read.fqn not in backed:
+                before_write(read.fqn, 0, read.dest.numel() * read.dest.element_size())
+                backed.add(read.fqn)
 
     def direct(read: _Read) -> None:
         for kind in ("head", "tail"):

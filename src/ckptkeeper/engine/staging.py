@@ -7,7 +7,7 @@ allocation or page faults. Buffers are pinned when the source tensors live on a 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +19,11 @@ __all__ = ["Stager"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    # The shard itself, without to_local()'s autograd function (a few dozen microseconds per
+    # tensor, inside the time an async save blocks training); it is only read here.
+    if isinstance(t, DTensor):
+        return t._local_tensor
+    return t
 
 
 class Stager:
@@ -42,30 +46,37 @@ class Stager:
 
     def buffers_for(self, tree: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """This stager's buffers for ``tree``'s layout (allocated when the layout changed), by dotted path."""
-        leaves = list(flatten_tensors(tree))
-        layout = tuple((p, tuple(_local(t).shape), _local(t).dtype) for p, t in leaves)
-        if layout != self._layout:
-            self._allocate(leaves)
-            self._layout = layout
+        self._buffers_for([(p, _local(t)) for p, t in flatten_tensors(tree)])
         return dict(self._buffers)
+
+    def _buffers_for(self, locals_: list[tuple[str, torch.Tensor]]) -> None:
+        layout = tuple((p, tuple(t.shape), t.dtype) for p, t in locals_)
+        if layout != self._layout:
+            self._allocate(locals_)
+            self._layout = layout
 
     def stage(self, tree: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of ``tree`` whose tensors live in this stager's buffers (blocking until copied)."""
-        leaves = list(flatten_tensors(tree))
-        self.buffers_for(tree)
+        return self.stage_lazily(tree)()
+
+    def stage_lazily(self, tree: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
+        """Copy ``tree``'s tensors into this stager's buffers now; returns a function that builds
+        the staged tree around them (DTensor wrappers cost more than the copy of a small shard, so
+        an async save builds them in the background, after training has its state back)."""
+        locals_ = [(p, _local(t)) for p, t in flatten_tensors(tree)]
+        self._buffers_for(locals_)
         any_cuda = False
-        for path, t in leaves:
-            src = _local(t).detach()
-            any_cuda |= src.is_cuda
-            self._buffers[path].copy_(src, non_blocking=src.is_cuda)
+        with torch.no_grad():
+            for path, src in locals_:
+                any_cuda |= src.is_cuda
+                self._buffers[path].copy_(src, non_blocking=src.is_cuda)
         if any_cuda:
             torch.cuda.synchronize()
-        return self._rebuild(tree, "")
+        return lambda: self._rebuild(tree, "")
 
     def _allocate(self, leaves: list[tuple[str, torch.Tensor]]) -> None:
         self._buffers = {}
-        for path, t in leaves:
-            loc = _local(t)
+        for path, loc in leaves:
             self._buffers[path] = torch.empty(
                 loc.shape, dtype=loc.dtype, device="cpu", pin_memory=loc.is_cuda and torch.cuda.is_available()
             )
