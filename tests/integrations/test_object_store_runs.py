@@ -137,8 +137,9 @@ def test_writer_killed_mid_upload_leaves_nothing_visible(
     assert [s for s, _ in ckpt.find_checkpoints(root)] == [0, 8, 15, 16]
 
 
+@pytest.mark.parametrize("how", ["file", "stream"])
 def test_store_failing_mid_multipart_aborts_the_upload(
-    moto: MotoServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    moto: MotoServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, how: str
 ) -> None:
     import boto3
 
@@ -153,8 +154,20 @@ def test_store_failing_mid_multipart_aborts_the_upload(
         big = tmp_path / "big.bin"
         big.write_bytes(os.urandom(20 << 20))  # three 8 MiB parts
         storage = storage_for(f"s3://{bucket}/run")
+        key = f"s3://{bucket}/run/step5/model_and_optim/__0_0.distcp"
         with pytest.raises(StorageError):
-            storage.upload(str(big), f"s3://{bucket}/run/step5/model_and_optim/__0_0.distcp")
+            if how == "file":
+                storage.upload(str(big), key)
+            else:  # how saves send a data file: streamed from memory, part by part
+                upload = storage.open_upload(key)
+                try:
+                    data = memoryview(big.read_bytes())
+                    for i in range(0, len(data), 3 << 20):
+                        upload.write(data[i : i + (3 << 20)])
+                    upload.close()
+                except BaseException:
+                    upload.abort()
+                    raise
     finally:
         proxy.stop()
     client = boto3.client("s3", endpoint_url=moto.url, aws_access_key_id="t", aws_secret_access_key="t",
@@ -292,3 +305,29 @@ def test_a_flipped_byte_in_a_bucket_is_caught(scheme: str, request: pytest.Fixtu
         ckpt.verify(storage.join(root, "step1"))
     with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp"):
         ckpt.load(storage.join(root, "step1"), TrainingState(torch.nn.Linear(16, 16)))
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_saves_stream_the_data_file_up_without_a_local_copy(scheme: str, request: pytest.FixtureRequest) -> None:
+    import torch
+
+    from ckptkeeper.cli.bench_run import _FixedState
+    from ckptkeeper.engine import SaveStage
+
+    root: str = request.getfixturevalue(f"{scheme}_root")
+    seen: dict[str, list[str]] = {}
+
+    def look(stage: SaveStage) -> None:
+        if stage.name == "writing trainer state":  # the tensors are written by now
+            seen["spool"] = [p.relative_to(stage.work).as_posix() for p in Path(stage.work).rglob("*") if p.is_file()]
+            seen["store"] = [f.relpath for f in storage_for(stage.final).walk(stage.final)]
+
+    tree = {"model": {"big": torch.randn(5 << 20), "small": torch.randn(7)}}  # 20 MiB: several parts
+    ckpt = Checkpointer(on_stage=look)
+    ckpt.save(root, 3, _FixedState(tree))
+    assert "model_and_optim/__0_0.distcp" not in seen["spool"]
+    assert "model_and_optim/__0_0.distcp" in seen["store"] and COMMIT_RECORD not in seen["store"]
+    back = {"model": {k: torch.zeros_like(v) for k, v in tree["model"].items()}}
+    ckpt.load(f"{root}/step3", _FixedState(back))
+    assert all(torch.equal(back["model"][k], v) for k, v in tree["model"].items())
+    ckpt.verify(f"{root}/step3")

@@ -26,6 +26,7 @@ from typing import Protocol
 
 from ..errors import CheckpointSaveError
 from ..storage import Storage
+from ..storage.base import Upload
 from ..storage.layout import COMMIT_RECORD, scratch_name
 from .deleter import clean_leftover, local_record_is_ours, new_spool, read_intents, record_is_ours, write_intent
 from .record import CommitRecord
@@ -50,8 +51,15 @@ class CommitMethod(Protocol):
         """Rank 0, before anything is written: make sure ``final`` may be taken."""
         ...
 
-    def after_files(self, work: str, final: str, rank: int, names: Sequence[str], token: str) -> None:
-        """Each rank, once its own files are written and hashed."""
+    def stream(self, final: str, rank: int, rel: str, token: str) -> Upload | None:
+        """Where rank ``rank`` may write file ``rel`` straight to the storage (announced first), or
+        None when it is written into the work folder (local disks)."""
+        ...
+
+    def after_files(
+        self, work: str, final: str, rank: int, names: Sequence[str], token: str, streamed: Sequence[str] = ()
+    ) -> None:
+        """Each rank, once its own files are written and hashed (``streamed``: those already stored)."""
         ...
 
     def publish(self, work: str, final: str, record: CommitRecord) -> None:
@@ -84,7 +92,12 @@ class RenameCommit:
         # The old checkpoint of this step (if any) stays until the new one is in place.
         clear_target(self.storage, final, self._remove, check_only=True)
 
-    def after_files(self, work: str, final: str, rank: int, names: Sequence[str], token: str) -> None:
+    def stream(self, final: str, rank: int, rel: str, token: str) -> Upload | None:
+        return None
+
+    def after_files(
+        self, work: str, final: str, rank: int, names: Sequence[str], token: str, streamed: Sequence[str] = ()
+    ) -> None:
         pass
 
     def publish(self, work: str, final: str, record: CommitRecord) -> None:
@@ -118,12 +131,21 @@ class RecordLastCommit:
         # The new files take the keys of any older save of this step: clear them first.
         clear_target(self.storage, final, self._remove)
 
-    def after_files(self, work: str, final: str, rank: int, names: Sequence[str], token: str) -> None:
+    def stream(self, final: str, rank: int, rel: str, token: str) -> Upload | None:
+        # Announced before the first byte goes up: a writer killed mid-stream leaves an object (or
+        # an unfinished multipart upload) that the intent names, so the next run can remove it.
+        write_intent(self.storage, final, rank, [rel], token)
+        return self.storage.open_upload(self.storage.join(final, rel))
+
+    def after_files(
+        self, work: str, final: str, rank: int, names: Sequence[str], token: str, streamed: Sequence[str] = ()
+    ) -> None:
         # The intent goes first: whatever is uploaded under final is announced as ours.
         write_intent(self.storage, final, rank, sorted(names), token)
         storage = self.storage
+        local = [rel for rel in names if rel not in set(streamed)]
         with ThreadPoolExecutor(max_workers=self._upload_threads) as pool:
-            list(pool.map(lambda rel: storage.upload(os.path.join(work, rel), storage.join(final, rel)), names))
+            list(pool.map(lambda rel: storage.upload(os.path.join(work, rel), storage.join(final, rel)), local))
 
     def publish(self, work: str, final: str, record: CommitRecord) -> None:
         # Every rank has uploaded its own files by now.

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CorruptCheckpointError
+from ..storage.base import Upload
 from .record import FileEntry, new_hasher
 
 __all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "parse_layout", "read_fast", "write_fast"]
@@ -352,15 +353,19 @@ def _pwritev_all(fd: int, bufs: list[Any], offset: int) -> None:
         pos = end
 
 
-def write_fast(model_dir: str, tree: Mapping[str, Any], threads: int = 2) -> tuple[dict[str, FileEntry], list[Segment]]:
+def write_fast(
+    model_dir: str, tree: Mapping[str, Any], threads: int = 2, sink: Upload | None = None
+) -> tuple[dict[str, FileEntry], list[Segment]]:
     """Write ``tree`` (plain CPU tensors) as a stock DCP checkpoint in ``model_dir``.
 
     Returns the files written (relative to ``model_dir``) with sizes and xxh3-64 checksums, and
-    the layout of the data file with a checksum per segment.
+    the layout of the data file with a checksum per segment. With ``sink`` the data file is
+    streamed there (see :func:`write_items`); DCP's small ``.metadata`` is still written locally.
     """
     os.makedirs(model_dir, exist_ok=True)
     leaves = [(fqn, path, exact(value)) for fqn, path, value in _leaves(tree)]
-    entry, segments, starts = write_items(os.path.join(model_dir, DATA_FILE), [(f, t) for f, _, t in leaves], threads)
+    data_path = os.path.join(model_dir, DATA_FILE)
+    entry, segments, starts = write_items(data_path, [(f, t) for f, _, t in leaves], threads, sink)
     # DCP's metadata depends only on names, shapes and dtypes (offsets follow from them): the
     # bytes are made once per layout, as the skeletons are (pickling 10,000 entries takes longer
     # than writing their bytes).
@@ -393,13 +398,15 @@ def _trios(segments: list[Segment]) -> Iterator[list[Segment]]:
 
 
 def write_items(
-    data_path: str, tensors: list[tuple[str, torch.Tensor]], threads: int = 2
+    data_path: str, tensors: list[tuple[str, torch.Tensor]], threads: int = 2, sink: Upload | None = None
 ) -> tuple[FileEntry, list[Segment], list[int]]:
     """Write each tensor as one ``torch.save`` blob, one after another, into a new file at ``data_path``.
 
     Tensors must be contiguous CPU tensors that own their storage exactly (see :func:`exact`).
     Returns the file's size and checksum, its segments (head, data, tail of each tensor, in
-    order, each with its checksum) and where each tensor's blob starts.
+    order, each with its checksum) and where each tensor's blob starts. With ``sink`` the bytes
+    are streamed there instead (an object-store upload; ``data_path`` is not written), and the
+    sink is closed (or aborted on failure).
     """
     items = []
     offset = 0
@@ -409,6 +416,8 @@ def write_items(
         items.append((fqn, head, data, tail, offset, head_sum, tail_sum))
         offset += len(head) + len(data) + len(tail)
     total = offset
+    if sink is not None:
+        return _stream_items(sink, items, total)
     pieces: list[tuple[int, Any]] = []
     for _, head, data, tail, start, _, _ in items:
         pieces += ((start, head), (start + len(head), data), (start + len(head) + len(data), tail))
@@ -450,6 +459,36 @@ def write_items(
         os.fsync(fd)
     finally:
         os.close(fd)
+    return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
+
+
+def _stream_items(sink: Upload, items: list[Any], total: int) -> tuple[FileEntry, list[Segment], list[int]]:
+    """The bytes of ``items`` in file order into ``sink``, hashed in the same pass (the upload
+    copies them into parts of its own, so memory stays a few parts whatever the file's size)."""
+    segments: list[Segment] = []
+    whole = new_hasher()
+    try:
+        for fqn, head, data, tail, start, head_sum, tail_sum in items:
+            sink.write(head)
+            whole.update(head)
+            h = new_hasher()
+            for i in range(0, len(data), _CHUNK):
+                piece = data[i : i + _CHUNK]
+                sink.write(piece)
+                h.update(piece)
+                whole.update(piece)
+            sink.write(tail)
+            whole.update(tail)
+            at = start + len(head)
+            segments += (
+                Segment("head", fqn, start, len(head), head_sum),
+                Segment("data", fqn, at, len(data), h.hexdigest()),
+                Segment("tail", fqn, at + len(data), len(tail), tail_sum),
+            )
+        sink.close()
+    except BaseException:
+        sink.abort()
+        raise
     return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
 
 

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from .. import distributed as D
 from ..errors import CheckpointSaveError, ConfigurationError, DiskFullError
 from ..storage import storage_for
+from ..storage.base import Upload
 from ..storage.layout import COMMIT_RECORD, MAX_STEP, MODEL_DIR, step_dir_name, train_state_name
 from ..storage.local import translate_os_error
 from .agreement import agree, unwrap
@@ -38,7 +39,7 @@ from .discovery import LAYOUT_FILE
 from .fastio import DATA_FILE, TENSORS_KEY, Segment, can_use_fast_path, tensor_table, write_fast, write_synced
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
-from .sharded import Piece, PieceEntry, build_metadata, local_pieces, write_shard
+from .sharded import Piece, PieceEntry, build_metadata, local_pieces, shard_name, write_shard
 from .state import flatten_tensors
 
 __all__ = ["SaveResult", "SaveSettings", "SaveStage", "final_path", "quiet_dcp", "tensor_bytes", "write_checkpoint"]
@@ -188,16 +189,29 @@ def write_checkpoint(
         pieces.extend(found[0])
         return found[1]
 
+    def sink(rel: str) -> Upload | None:
+        # Object stores: the data file goes straight up from memory in parts (no local copy of
+        # it in the spool); local disks write it into the work folder.
+        upload = commit.stream(final, rank, rel, token)
+        if upload is not None:
+            streamed.append(rel)
+        return upload
+
     def write_tensors() -> None:
         enter("writing tensors")
         if sharded:
+            data_rel = f"{MODEL_DIR}/{shard_name(rank)}"
             with translate_os_error(work):
-                shard_files, entries = write_shard(os.path.join(work, MODEL_DIR), pieces, rank, settings.io_threads)
+                shard_files, entries = write_shard(
+                    os.path.join(work, MODEL_DIR), pieces, rank, settings.io_threads, sink(data_rel)
+                )
             written.update(shard_files)
             my_entries.extend(entries)
             return
         with translate_os_error(work):
-            out = _write_tensors(settings, os.path.join(work, MODEL_DIR), tensors, world)
+            fast = world == 1 and settings.writer == "auto" and can_use_fast_path(tensors)
+            upload = sink(f"{MODEL_DIR}/{DATA_FILE}") if fast else None
+            out = _write_tensors(settings, os.path.join(work, MODEL_DIR), tensors, world, upload)
         if out is not None:
             fast_files, segments = out
             written.update({f"{MODEL_DIR}/{k}": v for k, v in fast_files.items()})
@@ -225,7 +239,7 @@ def write_checkpoint(
         mine.update(written)
         if commit.uploads:
             enter("uploading")
-        commit.after_files(work, final, rank, sorted(mine), token)
+        commit.after_files(work, final, rank, sorted(mine), token, streamed)
         return mine
 
     def publish() -> None:
@@ -236,6 +250,7 @@ def write_checkpoint(
     pieces: list[Piece] = []
     sharded = False
     my_entries: list[PieceEntry] = []
+    streamed: list[str] = []
     all_entries: list[list[PieceEntry]] = []
     try:
         signatures = agree(prepare, step, pg)
@@ -294,11 +309,11 @@ def write_checkpoint(
 
 
 def _write_tensors(
-    settings: SaveSettings, model_dir: str, tensors: Mapping[str, Any], world: int
+    settings: SaveSettings, model_dir: str, tensors: Mapping[str, Any], world: int, sink: Upload | None = None
 ) -> tuple[dict[str, FileEntry], list[Segment]] | None:
     """Write the tensor tree in DCP format; returns (files, layout) when the fast path wrote it."""
     if world == 1 and settings.writer == "auto" and can_use_fast_path(tensors):
-        return write_fast(model_dir, tensors, threads=settings.io_threads)
+        return write_fast(model_dir, tensors, threads=settings.io_threads, sink=sink)
     with quiet_dcp():
         dcp_save(
             dict(tensors),

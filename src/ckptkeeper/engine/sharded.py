@@ -54,6 +54,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from ..errors import CorruptCheckpointError
 from ..storage import Storage
+from ..storage.base import Upload
 from ..storage.layout import MODEL_DIR
 from .fastio import _SMALL_PIECE, Segment, _bytes_of, _leaves, exact, write_items, write_synced
 from .record import FileEntry
@@ -194,17 +195,17 @@ def local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[P
 
 
 def write_shard(
-    model_dir: str, pieces: list[Piece], rank: int, threads: int
+    model_dir: str, pieces: list[Piece], rank: int, threads: int, sink: Upload | None = None
 ) -> tuple[dict[str, FileEntry], list[PieceEntry]]:
     """Write the pieces this rank writes into its data file and its segment table.
 
     Returns the files written (relative to the checkpoint) and what rank 0 needs of each piece
-    to write DCP's metadata.
+    to write DCP's metadata. With ``sink`` the data file is streamed there (object stores).
     """
     mine = [p for p in pieces if p.writer]
     tensors = [(p.fqn, exact(p.tensor)) for p in mine]
     name = shard_name(rank)
-    entry, segments, starts = write_items(os.path.join(model_dir, name), tensors, threads)
+    entry, segments, starts = write_items(os.path.join(model_dir, name), tensors, threads, sink)
     table = {f"{MODEL_DIR}/{name}": [seg.to_json() for seg in segments]}
     layout = os.path.join(os.path.dirname(model_dir), layout_name(rank))
     files = {f"{MODEL_DIR}/{name}": entry, layout_name(rank): write_synced(layout, json.dumps(table).encode())}

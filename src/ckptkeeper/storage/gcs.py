@@ -159,13 +159,13 @@ _BLOCK = 16 << 20
 
 
 class _GCSUpload(Upload):
-    """A resumable upload through gcsfs (a block at a time); committed on close, cancelled on abort."""
+    """A resumable upload through gcsfs (a block at a time); finished on close, cancelled on abort."""
 
     def __init__(self, storage: GCSStorage, path: str) -> None:
         self._gcs, self._path = storage, path
         with storage._errors(path):
-            # autocommit=False: the object appears only at commit(), never as a partial file.
-            self._file = storage.fs.open(_key(path), "wb", block_size=_BLOCK, autocommit=False)
+            # A resumable upload: the object exists only once its last chunk is sent (at close).
+            self._file = storage.fs.open(_key(path), "wb", block_size=_BLOCK)
 
     def write(self, data: bytes | memoryview) -> None:
         with self._gcs._errors(self._path):
@@ -174,7 +174,6 @@ class _GCSUpload(Upload):
     def close(self) -> None:
         with self._gcs._errors(self._path):
             self._file.close()
-            self._file.commit()
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
