@@ -110,3 +110,31 @@ def test_two_ranks_resume_from_s3_fetching_one_copy_in_ranged_reads(saved: Path,
     out = _ok(run_ranks(2, workers.load_wide, url, str(saved / "ref2.pt"), out=tmp_path / "o2", env=env))
     for value in out:
         assert value["error"] == "CorruptCheckpointError" and value["unchanged"], value
+
+
+def test_multi_rank_loads_plan_from_the_segment_tables_and_check_them(saved: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from ..helpers import forge
+    from ..trust.test_hostile_files import _Dotted
+
+    path = tmp_path / "step5"
+    shutil.copytree(saved / "w2" / "step5", path)
+    # DCP's .metadata is for DCP: a planted pickle there (record re-signed) is never decoded by a
+    # load that the tables place, so the load succeeds and nothing runs; verify names it.
+    marker = tmp_path / "pwned"
+    forge(path, "model_and_optim/.metadata", _Dotted("os", "system", f"touch {marker}").dumps())
+    out = _ok(run_ranks(2, workers.load_wide, str(path), str(saved / "ref2.pt"), out=tmp_path / "o"))
+    assert all(v["equal"] and v["reader"] == "pieces" for v in out), out
+    assert not marker.exists()
+    # A table that says a piece has other sizes than its own torch.save header: refused everywhere.
+    rel = "model_and_optim/.ckptkeeper-layout-1.json"
+    table = json.loads((path / rel).read_bytes())
+    fqn = next(f for f, e in table["pieces"].items() if len(e[3]) == 2 and e[3][0] > 1)
+    table["pieces"][fqn][3] = [table["pieces"][fqn][3][1], table["pieces"][fqn][3][0]]
+    forge(path, rel, json.dumps(table).encode())
+    out = _ok(run_ranks(2, workers.load_wide, str(path), str(saved / "ref2.pt"), out=tmp_path / "o2"))
+    for value in out:
+        assert value["error"] == "CorruptCheckpointError" and value["unchanged"], value
+    assert not marker.exists()

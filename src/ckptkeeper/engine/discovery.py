@@ -372,9 +372,9 @@ def verify_structure(path: str, record: CommitRecord) -> None:
             found = read_segment_table(path, record, data_file)
             assert found is not None
             parse_layout(found[0], record.files[rel].bytes, metadata, data_file)
-            if found[1] is not None:
+            if found[1].get("tensors") is not None:
                 # The tensor list loads use in place of DCP's metadata must say the same as it.
-                listed = saved_from_table(found[1])
+                listed = saved_from_table(found[1]["tensors"])
                 parse_layout(found[0], record.files[rel].bytes, None, data_file, listed)
                 for fqn, (shape, dtype) in listed.items():
                     md = metadata.state_dict_metadata.get(fqn)
@@ -425,10 +425,12 @@ def read_segment_rows(path: str, record: CommitRecord, data_file: str, local: st
 
 def read_segment_table(
     path: str, record: CommitRecord, data_file: str, local: str | None = None
-) -> tuple[Any, Any] | None:
-    """(segment rows, tensor list or None) of ``data_file``, checksum-checked and bounded; None
-    when it has no table. The tensor list (``{fqn: [dtype, shape]}``) is in single-process tables."""
+) -> tuple[Any, dict[str, Any]] | None:
+    """(segment rows, the table's other entries) of ``data_file``, checksum-checked and bounded;
+    None when it has no table. Single-process tables list their tensors (``"tensors"``:
+    ``{fqn: [dtype, shape]}``), per-rank tables their pieces (``"pieces"``)."""
     from .fastio import TENSORS_KEY
+    from .sharded import PIECES_KEY
 
     tables = segment_tables(record)
     if data_file not in tables:
@@ -442,12 +444,12 @@ def read_segment_table(
         # every deeper table is refused there (json's own recursion limit stops the absurd ones).
         table = loads_bounded(data, f"{path}/{rel}", max_bytes=MAX_LAYOUT_BYTES, max_depth=None)
     key = f"{MODEL_DIR}/{data_file}"
-    if not isinstance(table, dict) or key not in table or set(table) - {key, TENSORS_KEY}:
+    if not isinstance(table, dict) or key not in table or set(table) - {key, TENSORS_KEY, PIECES_KEY}:
         raise CorruptCheckpointError(
             f"checkpoint {path} is corrupt: the segment table of {data_file} describes other files; load an "
             "earlier checkpoint or restore this one from a copy"
         )
-    return table[key], table.get(TENSORS_KEY)
+    return table[key], {k: v for k, v in table.items() if k != key}
 
 
 def read_layout(path: str, record: CommitRecord, local: str | None = None) -> Any:

@@ -29,13 +29,13 @@ from ..storage.layout import MODEL_DIR
 from . import discovery
 from .agreement import agree, load_error, unwrap
 from .deleter import new_spool
-from .fastio import DATA_FILE, can_use_fast_path, parse_layout, read_fast, saved_from_table
+from .fastio import DATA_FILE, TENSORS_KEY, can_use_fast_path, parse_layout, read_fast, saved_from_table
 from .loader import CheckpointMismatchError, Rollback, check_unread, read_metadata, read_train_state, saved_tensors
 from .metrics import emit
 from .record import CommitRecord, hash_file
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .saving import quiet_dcp, tensor_bytes
-from .sharded import LocalSource, RemoteSource, Source, plan_reads, read_pieces
+from .sharded import PIECES_KEY, LocalSource, RemoteSource, Source, metadata_from_tables, plan_reads, read_pieces
 from .state import SavedTensor, TrainingState
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def _load_verified(
         listed = None
         if single:
             found = discovery.read_segment_table(path, record, DATA_FILE, local)
-            rows, table = found if found is not None else (None, None)
+            rows, table = (found[0], found[1].get(TENSORS_KEY)) if found is not None else (None, None)
             if table is not None:
                 try:
                     listed = saved_from_table(table)
@@ -209,7 +209,12 @@ def _load_verified(
             metadata = discovery.check_olmo_core(local, record, path)
             saved = saved_tensors(metadata)
         else:
-            metadata = read_metadata(local, record, path)
+            # Where every piece is comes from the segment tables (JSON, checked as read) when
+            # they say; DCP's metadata (every piece of every rank, pickled) is decoded otherwise.
+            if tables and not single:
+                metadata = _metadata_from_tables(path, record, tables, None if remote else local)
+            if metadata is None:
+                metadata = read_metadata(local, record, path)
             saved = saved_tensors(metadata)
         # Where each tensor goes, checked against the checkpoint (and state.strict) before anything is read.
         plan = state.plan_load(saved, None if olmo else doc.get("state_meta", {}), path)
@@ -221,9 +226,9 @@ def _load_verified(
                 return "dcp"
             prep["by_fqn"] = _parsed(path, rows, record, metadata, DATA_FILE, listed)
             return "single"
+        parsed: dict[str, Any] = {}
         if metadata is None:
             metadata = read_metadata(local, record, path)
-        parsed: dict[str, Any] = {}
 
         def segments(data_file: str) -> Any:
             if data_file not in parsed:
@@ -314,6 +319,36 @@ def _load_verified(
             ck._stager.release()  # the backup was only for this load
     train_state: dict[str, Any] = doc.get("train_state", {})
     return train_state, {"single": "fast"}.get(mode, mode)
+
+
+def _metadata_from_tables(path: str, record: CommitRecord, tables: Any, local: str | None) -> Any:
+    """DCP's metadata from the segment tables, or None when one of them does not place its pieces."""
+    found = {}
+    for data_file in tables:
+        got = discovery.read_segment_table(path, record, data_file, local)
+        if got is None:
+            return None
+        rows, extra = got
+        pieces = extra.get(PIECES_KEY)
+        if pieces is None and isinstance(extra.get(TENSORS_KEY), dict) and record.world_size == 1:
+            # A single-process table: every tensor is one whole piece.
+            pieces = {f: [e[0], e[1], [0] * len(e[1]), e[1]] if isinstance(e, list) and len(e) == 2 and
+                      isinstance(e[1], list) else e for f, e in extra[TENSORS_KEY].items()}  # fmt: skip
+        if pieces is None:
+            return None
+        found[data_file] = (rows, pieces)
+    sizes = {}
+    try:
+        for data_file in found:
+            rel = f"{MODEL_DIR}/{data_file}"
+            if rel not in record.files:
+                raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
+            sizes[data_file] = record.files[rel].bytes
+        return metadata_from_tables(found, sizes)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
+        ) from None
 
 
 def _parsed(path: str, rows: Any, record: CommitRecord, metadata: Any, data_file: str, listed: Any = None) -> Any:

@@ -33,9 +33,11 @@ import os
 import threading
 import uuid
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Protocol
 
 import torch
@@ -56,7 +58,18 @@ from ..errors import CorruptCheckpointError
 from ..storage import Storage
 from ..storage.base import Upload
 from ..storage.layout import MODEL_DIR
-from .fastio import _SMALL_PIECE, Segment, _bytes_of, _leaves, exact, write_items, write_synced
+from .fastio import (
+    _SMALL_PIECE,
+    Segment,
+    _bytes_of,
+    _leaves,
+    exact,
+    parse_layout,
+    saved_from_table,
+    skeleton_sums,
+    write_items,
+    write_synced,
+)
 from .record import FileEntry
 
 __all__ = [
@@ -75,6 +88,9 @@ __all__ = [
 ]
 
 _RUN_BYTES = 8 << 20
+PIECES_KEY = "pieces"
+"""A per-rank segment table's entry placing each piece: ``{fqn: [dtype, global shape, offsets, sizes]}``."""
+_REGIONS: dict[Any, Any] = {}
 _REMOTE_PART = 16 << 20
 
 
@@ -122,8 +138,19 @@ def _region(value: Any, world: int) -> tuple[torch.Tensor, tuple[int, ...], tupl
 
         if not _plain_placements(value.placements) or value.device_mesh.size() != world:
             return None
-        local = value.to_local()
-        shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        local = value._local_tensor  # to_local() runs an autograd function per tensor; only read here
+        mesh = value.device_mesh
+        # What the local box depends on: the global shape, the mesh's shape, this rank's place in it.
+        key = (tuple(value.shape), tuple(mesh.shape), tuple(mesh.get_coordinate() or ()), tuple(value.placements))
+        found = _REGIONS.get(key)
+        if found is None:
+            if len(_REGIONS) > 4096:
+                _REGIONS.clear()
+            # Optimizer state shares its parameter's shape and placements: computed once per kind.
+            found = _REGIONS[key] = compute_local_shape_and_global_offset(
+                value.shape, value.device_mesh, value.placements
+            )
+        shape, offsets = found
         if tuple(local.shape) != tuple(shape):
             return None
         return local, tuple(int(o) for o in offsets), tuple(int(n) for n in value.shape)
@@ -206,18 +233,64 @@ def write_shard(
     tensors = [(p.fqn, exact(p.tensor)) for p in mine]
     name = shard_name(rank)
     entry, segments, starts = write_items(os.path.join(model_dir, name), tensors, threads, sink)
-    table = {f"{MODEL_DIR}/{name}": [seg.to_json() for seg in segments]}
-    layout = os.path.join(os.path.dirname(model_dir), layout_name(rank))
-    files = {f"{MODEL_DIR}/{name}": entry, layout_name(rank): write_synced(layout, json.dumps(table).encode())}
     entries: list[PieceEntry] = []
     for i, (p, (_, t), start) in enumerate(zip(mine, tensors, starts, strict=True)):
         length = sum(s.length for s in segments[3 * i : 3 * i + 3])
         entries.append((p.fqn, p.path, p.global_shape, t.dtype, p.offsets, tuple(t.shape), start, length))
+    # Where each piece sits in its tensor rides along: loads plan from these tables and need not
+    # decode DCP's metadata (every piece of every rank, thousands of pickled objects).
+    placed = {e[0]: [str(e[3]), list(e[2]), list(e[4]), list(e[5])] for e in entries}
+    table = {f"{MODEL_DIR}/{name}": segments, PIECES_KEY: placed}
+    layout = os.path.join(os.path.dirname(model_dir), layout_name(rank))
+    files = {f"{MODEL_DIR}/{name}": entry, layout_name(rank): write_synced(layout, json.dumps(table).encode())}
     return files, entries
 
 
-def build_metadata(per_rank: list[list[PieceEntry]], model_dir: str) -> Metadata:
-    """DCP's metadata for the pieces every rank wrote; ValueError when they do not tile each tensor."""
+def metadata_from_tables(tables: Mapping[str, tuple[Any, Any]], sizes: Mapping[str, int]) -> Metadata:
+    """DCP's metadata rebuilt from the per-rank segment tables (``{data file: (rows, pieces)}``,
+    ``sizes``: each data file's size), checked as it is built: the rows tile each file, each
+    piece's size and dtype are the ones in its own ``torch.save`` header, and the pieces tile
+    each tensor. ValueError says what does not fit."""
+    per_rank: list[list[PieceEntry]] = []
+    names = {}
+    for data_file, (rows, listed) in tables.items():
+        if not isinstance(listed, dict):
+            raise ValueError(f"the segment table of {data_file} lists no pieces")
+        segs = parse_layout(rows, sizes[data_file], None, data_file)
+        entries: list[PieceEntry] = []
+        for fqn, entry in listed.items():
+            if not (isinstance(entry, list) and len(entry) == 4 and all(isinstance(x, list) for x in entry[1:])):
+                raise ValueError(f"the segment table of {data_file} has a malformed piece of {str(fqn)[:80]!r}")
+            ((shape, dtype),) = saved_from_table({fqn: [entry[0], entry[1]]}).values()
+            ((sizes_, _),) = saved_from_table({fqn: [entry[0], entry[3]]}).values()
+            offsets = tuple(entry[2])
+            if not all(type(n) is int and n >= 0 for n in offsets) or not len(offsets) == len(shape) == len(sizes_):
+                raise ValueError(f"the segment table of {data_file} places {str(fqn)[:80]!r} nowhere valid")
+            if fqn not in segs:
+                raise ValueError(f"the segment table of {data_file} has no segments for {str(fqn)[:80]!r}")
+            trio = segs[fqn]
+            want = math.prod(sizes_) * torch.empty((), dtype=dtype).element_size()
+            if trio["data"].length != want or (trio["head"].xxh3_64, trio["tail"].xxh3_64) != skeleton_sums(
+                sizes_, dtype
+            ):
+                raise ValueError(f"{str(fqn)[:80]!r}: the segment table's size or dtype is not the one its data has")
+            start = trio["head"].offset
+            length = trio["head"].length + trio["data"].length + trio["tail"].length
+            entries.append((fqn, (fqn,), shape, dtype, offsets, sizes_, start, length))
+        if set(segs) != set(listed):
+            raise ValueError(f"the segment table of {data_file} lists other pieces than it has segments for")
+        names[len(per_rank)] = data_file
+        per_rank.append(entries)
+    return build_metadata(per_rank, "", file_names=names)
+
+
+def build_metadata(
+    per_rank: list[list[PieceEntry]], model_dir: str, file_names: Mapping[int, str] | None = None
+) -> Metadata:
+    """DCP's metadata for the pieces every rank wrote; ValueError when they do not tile each tensor.
+
+    ``file_names`` maps a position in ``per_rank`` to its data file (default: rank r's own).
+    """
     sd_meta: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, Any] = {}
     planner: dict[str, Any] = {}
@@ -231,9 +304,11 @@ def build_metadata(per_rank: list[list[PieceEntry]], model_dir: str) -> Metadata
             elif tuple(md.size) != tuple(shape) or md.properties.dtype != dtype:
                 raise ValueError(f"ranks disagree about the shape or dtype of {fqn}")
             md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-            storage[MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(md.chunks) - 1)] = _StorageInfo(
-                shard_name(rank), start, length
-            )
+            index = MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=len(md.chunks) - 1)
+            if index in storage:
+                raise ValueError(f"two pieces of {fqn} start at {list(offsets)}")
+            file = file_names[rank] if file_names is not None else shard_name(rank)
+            storage[index] = _StorageInfo(file, start, length)
             planner[fqn] = path
             covered[fqn] = covered.get(fqn, 0) + math.prod(sizes)
     for fqn, md in sd_meta.items():
@@ -479,10 +554,14 @@ def read_pieces(
         if verify:
             _check(source.where, read, "data", view)
 
-    def buffered(run: list[_Read]) -> None:
+    def fetch(run: list[_Read]) -> memoryview:
         start, end = run[0].span[0], run[-1].span[1]
         buf = memoryview(bytearray(end - start))
         source.read_into(run[0].file, start, buf)
+        return buf
+
+    def place(run: list[_Read], buf: memoryview) -> None:
+        start = run[0].span[0]
         for read in run:
             for kind in ("head", "data", "tail"):
                 seg = read.segs[kind]
@@ -490,7 +569,11 @@ def read_pieces(
                     _check(source.where, read, kind, buf[seg.offset - start : seg.offset - start + seg.length])
             data = read.segs["data"]
             backup(read)
-            _copy_overlap(read, buf[data.offset - start : data.offset - start + data.length])
+            piece = buf[data.offset - start : data.offset - start + data.length]
+            if read.whole:
+                _bytes_of(read.dest.detach())[:] = piece  # a plain memory copy
+            else:
+                _copy_overlap(read, piece)
 
     large = [r for r in reads if r.whole and r.segs["data"].length >= _SMALL_PIECE]
     rest = sorted((r for r in reads if not (r.whole and r.segs["data"].length >= _SMALL_PIECE)),
@@ -507,8 +590,25 @@ def read_pieces(
     try:
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
             futures = [pool.submit(direct, r) for r in sorted(large, key=lambda r: -r.segs["data"].length)]
-            futures += [pool.submit(buffered, run) for run in runs]
+            # Runs of small pieces: the pool fetches them (a few ahead), this thread checks and
+            # places them; placing is Python work per piece, which several threads only fight
+            # over (the GIL), as in the single-process reader.
             error: BaseException | None = None
+            window: deque[tuple[list[_Read], Future[memoryview]]] = deque()
+            pending = iter(runs)
+            for run in islice(pending, max(2, threads)):
+                window.append((run, pool.submit(fetch, run)))
+            while window:
+                run, got = window.popleft()
+                try:
+                    buf = got.result()
+                    if error is None:
+                        place(run, buf)
+                except BaseException as failed:  # kept, raised once every reader has stopped
+                    error = error or failed
+                nxt = next(pending, None) if error is None else None
+                if nxt is not None:
+                    window.append((nxt, pool.submit(fetch, nxt)))
             for fut in futures:
                 # Wait for every reader before reporting, so nothing writes into a tensor afterwards.
                 exc = fut.exception()
