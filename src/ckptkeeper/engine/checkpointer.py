@@ -65,7 +65,8 @@ class Checkpointer:
         spool_dir: local folder for object-store spools (default: the system temp folder).
         upload_threads: files uploaded or downloaded at once on object stores.
         io_threads: writer threads of the fast single-process path (they compete with training for cores).
-        read_threads: reader threads of the fast path on load.
+        read_threads: reader threads of the fast path on load (per node: the ranks torchrun starts on
+            one node, LOCAL_WORLD_SIZE, share them).
         writer: ``"auto"`` (fast path where possible) or ``"dcp"`` (always DCP's own writer).
         staging_budget_bytes: host memory async staging may hold (``CKPTKEEPER_STAGING_BUDGET``); None: no cap.
         over_budget: when a snapshot would exceed the budget, ``"sync"`` saves synchronously instead and

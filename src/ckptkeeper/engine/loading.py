@@ -279,7 +279,10 @@ def _load_verified(
                 source = RemoteSource(remote, remote.join(path, MODEL_DIR), threads=ck.upload_threads)
                 threads = ck.upload_threads
             else:
-                source, threads = LocalSource(os.path.join(local, MODEL_DIR)), ck.read_threads
+                # The node's disk is shared by its ranks: read_threads is per node, split among them
+                # (4 threads on each of 2 ranks read slower here than 2 each).
+                local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+                source, threads = LocalSource(os.path.join(local, MODEL_DIR)), max(1, ck.read_threads // local_ranks)
             reads = prep["reads"]
             agree(lambda: read_pieces(source, reads, ck.verify_checksums, threads, before_write), None, pg, load_error)
         else:
