@@ -288,7 +288,9 @@ def write_checkpoint(
                 f"step {step}{on_rank}: the disk is full while writing {exc.filename or work}; free "
                 "space or choose another save folder (checkpoints already saved were not touched)",
             ) from raw
-        where = getattr(exc, "filename", None) or work
+        # Object stores: the data file went straight to the store, so the local work folder is not
+        # where a storage error happened; the error's own text names the object.
+        where = getattr(exc, "filename", None) or (final if commit.uploads else work)
         raise CheckpointSaveError(
             f"saving step {step} to {final} failed{on_rank} while {stage} ({where}): {exc}"
         ) from exc
