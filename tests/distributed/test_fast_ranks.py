@@ -102,6 +102,11 @@ def test_two_ranks_resume_from_s3_fetching_one_copy_in_ranged_reads(saved: Path,
         assert value["fetched"] <= 0.6 * total, value  # its half of the shards, the small files, no more
     assert sum(v["fetched"] for v in out) <= 1.25 * total
 
+    # One rank without memory for a load's backup: every rank takes the download way together.
+    out = _ok(run_ranks(2, workers.load_wide, url, str(saved / "ref2.pt"), out=tmp_path / "o1", env=env,
+                        per_rank_env={1: {"CKPTKEEPER_STAGING_BUDGET": "16"}}))  # fmt: skip
+    assert [v["reader"] for v in out] == ["download", "download"] and all(v["equal"] for v in out), out
+
     # A flipped byte in rank 1's shard on the store: every rank refuses, nothing changes.
     key = f"{url}/model_and_optim/__1_0.distcp"
     data = bytearray(storage.read_bytes(key))

@@ -257,9 +257,14 @@ def _load_verified(
         discovery.verify_checksums(local, record, path)
         verified = True
     guard: Rollback | None = None
+    fits = ck.staging_budget_bytes is None or need <= ck.staging_budget_bytes
+    if remote is not None and world > 1 and ck._rollback_loads:
+        # Budgets may differ per rank; going to download is a different sequence of rounds, so
+        # every rank takes that way or none.
+        fits = D.all_agree(fits, group=pg)
     if not ck._rollback_loads:
         pass
-    elif ck.staging_budget_bytes is None or need <= ck.staging_budget_bytes:
+    elif fits:
         guard = Rollback(ck._stager, plan.live, incremental=mode != "dcp")
     elif remote is not None:
         raise _NeedsDownload()  # no memory for a backup: verify everything first, on a local copy
