@@ -20,6 +20,7 @@ ckptkeeper deletes only names it can prove it wrote, so every scratch name is ma
 
 from __future__ import annotations
 
+import functools
 import re
 
 __all__ = [
@@ -99,12 +100,19 @@ def intent_name(rank: int) -> str:
 def check_relpath(rel: object) -> str | None:
     """Why ``rel`` is not a safe file name inside a step folder, or None when it is.
 
+    (Answers for strings are cached: ``ls`` checks the same few thousand names in every record.)
+
     Safe: a plain relative path of at most 8 ``/``-separated parts, each made of letters, digits,
     ``.``, ``_`` and ``-``, none empty, ``.`` or ``..``; no backslash, drive or absolute path.
     Checkpoint files are data, so a name that could reach outside the folder makes it invalid.
     """
     if not isinstance(rel, str):
         return f"file name {rel!r} is not a string"
+    return _check_name(rel)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _check_name(rel: str) -> str | None:
     if not rel or len(rel) > 1024:
         return "empty or overlong file name"
     parts = rel.split("/")
