@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import xxhash
@@ -518,6 +518,48 @@ def _metadata(items: list[Any]) -> Metadata:
     )
 
 
+R = TypeVar("R")
+
+
+def fetch_and_place(
+    pool: ThreadPoolExecutor,
+    others: list[Future[Any]],
+    runs: list[R],
+    fetch: Callable[[R], memoryview],
+    place: Callable[[R, memoryview], None],
+    ahead: int,
+) -> None:
+    """Fetch ``runs`` on ``pool`` (``ahead`` at a time, in order) and ``place`` each in this thread.
+
+    Placing many small tensors is Python work per tensor; spread over several threads it only
+    fought over the GIL (measured twice as slow), while fetching releases it. Every job (the
+    fetches and ``others``, already submitted) has stopped before the first error is raised, so
+    nothing writes into a tensor afterwards.
+    """
+    error: BaseException | None = None
+    window: deque[tuple[R, Future[memoryview]]] = deque()
+    pending = iter(runs)
+    for run in islice(pending, ahead):
+        window.append((run, pool.submit(fetch, run)))
+    while window:
+        run, got = window.popleft()
+        try:
+            view = got.result()
+            if error is None:
+                place(run, view)
+        except BaseException as failed:  # kept, raised once every reader has stopped
+            error = error or failed
+        nxt = next(pending, None) if error is None else None
+        if nxt is not None:
+            window.append((nxt, pool.submit(fetch, nxt)))
+    for done in others:
+        exc = done.exception()
+        if exc is not None and error is None:
+            error = exc
+    if error is not None:
+        raise error
+
+
 def _preadinto(
     fd: int, view: memoryview, offset: int, hasher: Any, where: str, before: Callable[[int, int], None] | None = None
 ) -> None:
@@ -631,31 +673,6 @@ def read_fast(
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
             futures = [pool.submit(load, j) for j in sorted(large, key=lambda j: -j[1].numel())]
-            # Runs of small tensors: the pool reads them (a few at a time, GIL released), this
-            # thread checks and places their tensors in order. Placing is Python work per tensor;
-            # spread over several threads it only fought over the GIL (measured twice as slow).
-            error: BaseException | None = None
-            window: deque[tuple[list[Any], Future[memoryview]]] = deque()
-            pending = iter(runs)
-            for run in islice(pending, max(2, threads)):
-                window.append((run, pool.submit(read_run, run)))
-            while window:
-                run, fut = window.popleft()
-                try:
-                    view = fut.result()
-                    if error is None:
-                        place_run(run, view)
-                except BaseException as failed:  # kept, raised once every reader has stopped
-                    error = error or failed
-                nxt = next(pending, None) if error is None else None
-                if nxt is not None:
-                    window.append((nxt, pool.submit(read_run, nxt)))
-            for done in futures:
-                # Wait for every reader before reporting, so nothing writes into a tensor afterwards.
-                exc = done.exception()
-                if exc is not None and error is None:
-                    error = exc
-            if error is not None:
-                raise error
+            fetch_and_place(pool, futures, runs, read_run, place_run, ahead=max(2, threads))
     finally:
         os.close(fd)

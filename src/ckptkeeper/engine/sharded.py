@@ -33,11 +33,9 @@ import os
 import threading
 import uuid
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any, Protocol
 
 import torch
@@ -64,6 +62,7 @@ from .fastio import (
     _bytes_of,
     _leaves,
     exact,
+    fetch_and_place,
     parse_layout,
     saved_from_table,
     skeleton_sums,
@@ -590,32 +589,7 @@ def read_pieces(
     try:
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
             futures = [pool.submit(direct, r) for r in sorted(large, key=lambda r: -r.segs["data"].length)]
-            # Runs of small pieces: the pool fetches them (a few ahead), this thread checks and
-            # places them; placing is Python work per piece, which several threads only fight
-            # over (the GIL), as in the single-process reader.
-            error: BaseException | None = None
-            window: deque[tuple[list[_Read], Future[memoryview]]] = deque()
-            pending = iter(runs)
-            for run in islice(pending, max(2, threads)):
-                window.append((run, pool.submit(fetch, run)))
-            while window:
-                run, got = window.popleft()
-                try:
-                    buf = got.result()
-                    if error is None:
-                        place(run, buf)
-                except BaseException as failed:  # kept, raised once every reader has stopped
-                    error = error or failed
-                nxt = next(pending, None) if error is None else None
-                if nxt is not None:
-                    window.append((nxt, pool.submit(fetch, nxt)))
-            for fut in futures:
-                # Wait for every reader before reporting, so nothing writes into a tensor afterwards.
-                exc = fut.exception()
-                if exc is not None and error is None:
-                    error = exc
-            if error is not None:
-                raise error
+            fetch_and_place(pool, futures, runs, fetch, place, ahead=max(2, threads))
     finally:
         source.close()
 
