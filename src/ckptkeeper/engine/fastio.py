@@ -79,19 +79,6 @@ class Segment(NamedTuple):
     def to_json(self) -> list[Any]:
         return list(self)
 
-    @classmethod
-    def from_json(cls, row: Any) -> Segment:
-        """Parse one layout row read from a commit record; ValueError when it is not exactly one."""
-        if not isinstance(row, list) or len(row) != 5:
-            raise ValueError(f"layout row {str(row)[:80]!r} is not [kind, name, offset, length, checksum]")
-        kind, fqn, offset, length, digest = row
-        if kind not in ("head", "data", "tail") or not isinstance(fqn, str) or not isinstance(digest, str):
-            raise ValueError(f"layout row {str(row)[:80]!r} is malformed")
-        for v in (offset, length):
-            if type(v) is not int or not 0 <= v < 1 << 52:
-                raise ValueError(f"layout row {str(row)[:80]!r} has an invalid offset or length")
-        return cls(kind, fqn, offset, length, digest)
-
 
 _new_segment = tuple.__new__  # Segment(*row) through NamedTuple's __new__ is five times slower
 
@@ -148,7 +135,7 @@ def parse_layout(
     for i in range(0, len(rows), 3):
         trio = []
         for kind, row in zip(kinds, rows[i : i + 3], strict=True):
-            # Checked inline rather than by Segment.from_json: this runs for every tensor of every load.
+            # Checked inline, not by building and validating objects: this runs for every tensor of every load.
             if type(row) is not list or len(row) != 5:
                 raise ValueError(f"layout row {str(row)[:80]!r} is not [kind, name, offset, length, checksum]")
             if row[0] != kind:
@@ -560,6 +547,16 @@ def fetch_and_place(
         raise error
 
 
+def pread_full(fd: int, view: memoryview, offset: int, where: str) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``; CorruptCheckpointError naming ``where`` if the file ends early."""
+    pos = 0
+    while pos < len(view):
+        n = os.preadv(fd, [view[pos:]], offset + pos)
+        if n == 0:
+            raise CorruptCheckpointError(f"{where} ends early (truncated file)")
+        pos += n
+
+
 def _preadinto(
     fd: int, view: memoryview, offset: int, hasher: Any, where: str, before: Callable[[int, int], None] | None = None
 ) -> None:
@@ -628,12 +625,7 @@ def read_fast(
             start = run[0][2]["head"].offset
             tail = run[-1][2]["tail"]
             view = memoryview(bytearray(tail.offset + tail.length - start))
-            pos = 0
-            while pos < len(view):
-                n = os.preadv(fd, [view[pos:]], start + pos)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{where} ends early (truncated file)")
-                pos += n
+            pread_full(fd, view, start, where)
             return view
 
         def place_run(run: list[tuple[str, torch.Tensor, Mapping[str, Segment]]], view: memoryview) -> None:

@@ -211,7 +211,7 @@ def write_checkpoint(
         with translate_os_error(work):
             fast = world == 1 and settings.writer == "auto" and can_use_fast_path(tensors)
             upload = sink(f"{MODEL_DIR}/{DATA_FILE}") if fast else None
-            out = _write_tensors(settings, os.path.join(work, MODEL_DIR), tensors, world, upload)
+            out = _write_tensors(settings, os.path.join(work, MODEL_DIR), tensors, world, fast, upload)
         if out is not None:
             fast_files, segments = out
             written.update({f"{MODEL_DIR}/{k}": v for k, v in fast_files.items()})
@@ -311,10 +311,16 @@ def write_checkpoint(
 
 
 def _write_tensors(
-    settings: SaveSettings, model_dir: str, tensors: Mapping[str, Any], world: int, sink: Upload | None = None
+    settings: SaveSettings,
+    model_dir: str,
+    tensors: Mapping[str, Any],
+    world: int,
+    fast: bool,
+    sink: Upload | None = None,
 ) -> tuple[dict[str, FileEntry], list[Segment]] | None:
-    """Write the tensor tree in DCP format; returns (files, layout) when the fast path wrote it."""
-    if world == 1 and settings.writer == "auto" and can_use_fast_path(tensors):
+    """Write the tensor tree in DCP format (the fast writer when ``fast``); returns (files, layout)
+    when the fast writer wrote it."""
+    if fast:
         return write_fast(model_dir, tensors, threads=settings.io_threads, sink=sink)
     with quiet_dcp():
         dcp_save(

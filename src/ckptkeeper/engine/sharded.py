@@ -64,6 +64,7 @@ from .fastio import (
     exact,
     fetch_and_place,
     parse_layout,
+    pread_full,
     saved_from_table,
     skeleton_sums,
     write_items,
@@ -352,13 +353,7 @@ class LocalSource:
             return self._fds[rel]
 
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
-        fd = self._fd(rel)
-        pos = 0
-        while pos < len(view):
-            n = os.preadv(fd, [view[pos:]], offset + pos)
-            if n == 0:
-                raise CorruptCheckpointError(f"{os.path.join(self.where, rel)} ends early (truncated file)")
-            pos += n
+        pread_full(self._fd(rel), view, offset, os.path.join(self.where, rel))
 
     def close(self) -> None:
         with self._lock:

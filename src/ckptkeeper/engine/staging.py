@@ -40,7 +40,7 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def release(self) -> None:
-        """Drop the buffers (the next stage() allocates anew)."""
+        """Drop the buffers (the next stage_lazily() allocates anew)."""
         self._buffers = {}
         self._layout = None
 
@@ -54,10 +54,6 @@ class Stager:
         if layout != self._layout:
             self._allocate(locals_)
             self._layout = layout
-
-    def stage(self, tree: Mapping[str, Any]) -> dict[str, Any]:
-        """A copy of ``tree`` whose tensors live in this stager's buffers (blocking until copied)."""
-        return self.stage_lazily(tree)()
 
     def stage_lazily(self, tree: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
         """Copy ``tree``'s tensors into this stager's buffers now; returns a function that builds
