@@ -740,12 +740,9 @@ class CheckpointManager:
         if rank == 0 or (not is_url(path) and fs_rank == 0):
             # Making it invisible is immediate; the files go in the background.
             try:
-                self.checkpointer.remove(
-                    path,
-                    run_in_background=lambda fn: self.run_bookkeeping_op(
-                        fn, op_name=f"remove {path}", soft_timeout=180 if is_url(path) else None
-                    ),
-                )
+                # The checkpointer's deleter thread, not the bookkeeping one: a slow bucket delete
+                # must not hold up retention, user ops or the next removal's visibility.
+                self.checkpointer.remove(path, background=True)
             except CkptkeeperError as exc:
                 # Retention is housekeeping: a checkpoint it may not delete is left, never a crash.
                 log.error("not removing %s: %s", path, exc)
@@ -823,9 +820,14 @@ class CheckpointManager:
         self._bookkeeping_futures.append(self._bookkeeping.submit(run))
 
     def wait_for_bookkeeping(self) -> None:
-        """Block until every background bookkeeping op has finished."""
+        """Block until every background bookkeeping op and queued deletion has finished.
+
+        Failed deletions were logged when they failed; they never raise here (housekeeping must
+        not kill a run, and what they left is invisible and cleaned up at the next start).
+        """
         while self._bookkeeping_futures:
             self._bookkeeping_futures.pop(0).result()
+        self.checkpointer.wait_for_removals()
 
     # ------------------------------------------------------------------ triggers
 

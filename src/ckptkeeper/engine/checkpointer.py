@@ -30,7 +30,7 @@ from ..storage.layout import COMMIT_RECORD
 from . import discovery, loading
 from .async_runner import AsyncRunner
 from .commit import commit_method_for
-from .deleter import clean_save_folder, remove_checkpoint
+from .deleter import Deleter, clean_save_folder, remove_checkpoint
 from .discovery import CheckpointInfo
 from .record import CommitRecord
 from .saving import (
@@ -118,6 +118,8 @@ class Checkpointer:
         self.over_budget = over_budget
         self.on_stage = on_stage
         self._stager = Stager()
+        #: Owns the thread that deletes removed checkpoints' files (see :meth:`remove`).
+        self.deleter = Deleter(soft_timeout_s=180.0)
         # Off only in the benchmark, to measure what the load's backup costs.
         self._rollback_loads = True
         self._runner: AsyncRunner[SaveResult] = AsyncRunner()
@@ -224,8 +226,14 @@ class Checkpointer:
         self._runner.forget(fut)
 
     def close(self) -> None:
-        """Wait for the background save and stop the writer thread."""
-        self._runner.close()
+        """Wait for the background save and queued deletions; stop both threads.
+
+        A failed save is re-raised; failed deletions were logged (see :meth:`wait_for_removals`).
+        """
+        try:
+            self._runner.close()
+        finally:
+            self.deleter.close()
 
     def _write(
         self,
@@ -294,15 +302,33 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ removal
 
-    def remove(self, path: str, run_in_background: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+    def remove(
+        self,
+        path: str,
+        run_in_background: Callable[[Callable[[], Any]], Any] | None = None,
+        *,
+        background: bool = False,
+    ) -> None:
         """Remove a checkpoint: invisible at once (rename, or commit record first), files deleted after.
 
         Only checkpoints ckptkeeper can prove it wrote are removed, and only their own files (see
         :mod:`ckptkeeper.engine.deleter`); anything else raises :class:`ConfigurationError` and is left
-        alone. A ``step{N}`` symlink is unlinked, never followed. The slow part (deleting files) is
-        handed to ``run_in_background`` when given.
+        alone. A ``step{N}`` symlink is unlinked, never followed. The slow part (deleting files)
+        runs before this returns, unless ``background=True`` (queued on this checkpointer's
+        deleter thread; :meth:`wait_for_removals`) or ``run_in_background`` is given (handed to it).
         """
-        remove_checkpoint(path, run_in_background)
+        if run_in_background is not None:
+            remove_checkpoint(path, run_in_background)
+        else:
+            self.deleter.remove(path, background=background)
+
+    def wait_for_removals(self) -> list[tuple[str, Exception]]:
+        """Block until queued deletions are done; returns the (path, error) of those that failed.
+
+        A failed deletion leaves only files no listing shows (the checkpoint was already invisible);
+        opening the save folder again cleans them up.
+        """
+        return self.deleter.wait()
 
     def clean_scratch(self, save_folder: str) -> list[str]:
         """Delete leftovers of interrupted saves and removals that are provably ckptkeeper's; returns them.

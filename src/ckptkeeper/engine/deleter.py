@@ -11,6 +11,9 @@ The rules, each one a promise the README makes:
 - object-store leftovers of interrupted saves and removals (a step prefix without a commit record)
   are deleted only through their intent objects, which list exactly what was going to be uploaded;
 - spool folders are named after their process and removed once that process is gone.
+
+:class:`Deleter` owns the background thread that deletes files of removed checkpoints, so that
+training (and the save thread) never waits on a slow ``rmtree`` or a bucket's delete calls.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError, StorageError
@@ -41,6 +46,7 @@ from .metrics import emit
 from .record import MAX_RECORD_BYTES, CommitRecord, loads_bounded, record_is_ours
 
 __all__ = [
+    "Deleter",
     "clean_save_folder",
     "local_record_is_ours",
     "new_spool",
@@ -220,6 +226,86 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
 
     (run_in_background or _now)(delete_remote)
     return True
+
+
+class Deleter:
+    """Removes checkpoints: invisible in the caller's thread, files deleted on a thread of its own.
+
+    The part a reader can observe (the rename to trash, or the commit record deleted) happens
+    before :meth:`remove` returns; the deletion of the files is queued on one background thread,
+    started on first use. A deletion that fails leaves only what no listing shows (trash folders,
+    or objects announced by upload intents), which :func:`clean_save_folder` finishes later; its
+    error is logged and returned by :meth:`wait`, never raised into training.
+
+    Args:
+        soft_timeout_s: log a warning when one deletion takes longer than this (object stores
+            can be slow to delete thousands of objects); ``None`` never warns.
+    """
+
+    def __init__(self, *, soft_timeout_s: float | None = None) -> None:
+        self.soft_timeout_s = soft_timeout_s
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[Future[None]] = []
+        self._failures: list[tuple[str, Exception]] = []
+
+    def remove(self, path: str, *, background: bool = True) -> bool:
+        """Remove the checkpoint at ``path`` (see :func:`remove_checkpoint`); False if there was none.
+
+        With ``background=False`` the files are deleted before this returns.
+        """
+        if not background:
+            return remove_checkpoint(path)
+        return remove_checkpoint(path, lambda fn: self._submit(path, fn))
+
+    def _submit(self, path: str, fn: Callable[[], Any]) -> None:
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception as exc:
+                log.error(
+                    "deleting the files of removed checkpoint %s failed (%s); it is already invisible, and the "
+                    "leftovers are cleaned up when the next run opens this save folder",
+                    path,
+                    exc,
+                )
+                with self._lock:
+                    self._failures.append((path, exc))
+            took = time.perf_counter() - t0
+            if self.soft_timeout_s is not None and took > self.soft_timeout_s:
+                log.warning("deleting %s took %.0fs (soft timeout %.0fs)", path, took, self.soft_timeout_s)
+
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-delete")
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._executor.submit(run))
+
+    @property
+    def pending(self) -> int:
+        """How many queued deletions have not finished yet."""
+        with self._lock:
+            return sum(not f.done() for f in self._pending)
+
+    def wait(self) -> list[tuple[str, Exception]]:
+        """Block until every queued deletion is done; returns (and forgets) the ones that failed."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    failures, self._failures = self._failures, []
+                    return failures
+                fut = self._pending.pop(0)
+            fut.result()
+
+    def close(self) -> list[tuple[str, Exception]]:
+        """Finish the queued deletions and stop the thread; returns the ones that failed."""
+        failures = self.wait()
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        return failures
 
 
 def _unlisted_local_files(folder: str) -> list[str]:
