@@ -32,6 +32,7 @@ from .async_runner import AsyncRunner
 from .commit import commit_method_for
 from .deleter import Deleter, clean_save_folder, remove_checkpoint
 from .discovery import CheckpointInfo
+from .gcpause import paused_gc
 from .record import CommitRecord
 from .saving import (
     SaveResult,
@@ -144,9 +145,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         checked = checked_metrics(step, metrics)
         self.wait()
-        tensors, meta = state.capture()
-        payload = train_payload(step, train_state, meta)
-        result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked)
+        # The caller waits for the whole save: the collector's pauses cost it nothing here.
+        with paused_gc():
+            tensors, meta = state.capture()
+            payload = train_payload(step, train_state, meta)
+            result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked)
         emit_save(result, is_async=False)
         return result
 
@@ -174,8 +177,9 @@ class Checkpointer:
             # Background collectives must not share a queue with training's: a group of their own
             # (every rank starts the same saves, so every rank creates it at the same call).
             self.process_group = D.new_cpu_group()
-        tensors, meta = state.capture()
-        need = tensor_bytes(tensors)
+        with paused_gc():
+            tensors, meta = state.capture()
+            need = tensor_bytes(tensors)
         over_here = self.staging_budget_bytes is not None and need > self.staging_budget_bytes
         # All ranks take the same way (error, sync or async), or some would wait in a save the
         # others never start.
@@ -196,12 +200,15 @@ class Checkpointer:
                 self.save(save_folder, step, state, train_state=train_state, ephemeral=ephemeral, metrics=checked)
             )
             return final_path(save_folder, step), done
-        staged = self._stager.stage_lazily(tensors)
-        payload = train_payload(step, train_state, meta)
+        with paused_gc():
+            staged = self._stager.stage_lazily(tensors)
+            payload = train_payload(step, train_state, meta)
         blocked = time.perf_counter() - t0
 
         def run() -> SaveResult:
-            r = self._write(save_folder, step, staged(), payload, ephemeral, t0, checked)
+            with paused_gc():
+                tree = staged()
+            r = self._write(save_folder, step, tree, payload, ephemeral, t0, checked)
             result = dataclasses.replace(r, blocked_s=blocked)
             emit_save(result, is_async=True)
             return result
@@ -298,7 +305,9 @@ class Checkpointer:
         for an intact one that does not fit. ``check_train_state(train_state)`` runs before any
         tensor is touched.
         """
-        return loading.load(self, path, state, check_train_state)
+        # The caller waits for the whole load (see gcpause for why the collector is paused).
+        with paused_gc():
+            return loading.load(self, path, state, check_train_state)
 
     # ------------------------------------------------------------------ removal
 

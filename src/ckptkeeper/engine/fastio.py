@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CorruptCheckpointError
 from ..storage.base import Upload
+from .gcpause import paused_gc
 from .record import FileEntry, new_hasher
 
 __all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "parse_layout", "read_fast", "write_fast"]
@@ -59,7 +60,6 @@ _RUN_BYTES = 8 << 20  # ...of up to this many bytes
 _CRC_LOCK = threading.Lock()
 _SKELETONS: dict[tuple[tuple[int, ...], torch.dtype], tuple[bytes, bytes, str, str]] = {}
 _METADATA: dict[Any, bytes] = {}
-_ITEM_SIZES: dict[torch.dtype, int] = {}
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 
 
@@ -86,11 +86,13 @@ TENSORS_KEY = "tensors"
 """The segment table's entry giving each tensor's dtype and shape: ``{fqn: [dtype, shape]}``."""
 
 _DTYPE_NAMES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_DTYPE_STR = {d: name for name, d in _DTYPE_NAMES.items()}
 
 
 def tensor_table(tree: Mapping[str, Any]) -> dict[str, list[Any]]:
     """``{fqn: [dtype, shape]}`` of a tree of plain tensors, for the segment table."""
-    return {fqn: [str(v.dtype), list(v.shape)] for fqn, _, v in _leaves(tree)}
+    names = _DTYPE_STR
+    return {fqn: [names.get(v.dtype) or str(v.dtype), list(v.shape)] for fqn, _, v in _leaves(tree)}
 
 
 def saved_from_table(table: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -131,30 +133,31 @@ def parse_layout(
         raise ValueError("the data file's layout does not hold whole tensors")
     by_fqn: dict[str, dict[str, Segment]] = {}
     pos = 0
-    kinds = ("head", "data", "tail")
-    for i in range(0, len(rows), 3):
-        trio = []
-        for kind, row in zip(kinds, rows[i : i + 3], strict=True):
-            # Checked inline, not by building and validating objects: this runs for every tensor of every load.
+    new = _new_segment
+    # Checked inline, three rows at a time, not by building and validating objects: this runs
+    # for every tensor of every load, and a state may hold tens of thousands of tensors.
+    rows_iter = iter(rows)
+    for i, (h, d, t) in enumerate(zip(rows_iter, rows_iter, rows_iter, strict=True)):
+        for row in (h, d, t):
             if type(row) is not list or len(row) != 5:
                 raise ValueError(f"layout row {str(row)[:80]!r} is not [kind, name, offset, length, checksum]")
-            if row[0] != kind:
-                raise ValueError(f"layout rows {i}..{i + 2} are not one tensor's head, data and tail")
-            seg = _new_segment(Segment, row)
-            if type(seg.fqn) is not str or type(seg.xxh3_64) is not str or type(seg.length) is not int:
+        fqn = h[1]
+        if h[0] != "head" or d[0] != "data" or t[0] != "tail" or d[1] != fqn or t[1] != fqn:
+            raise ValueError(f"layout rows {3 * i}..{3 * i + 2} are not one tensor's head, data and tail")
+        if type(fqn) is not str:
+            raise ValueError(f"layout row {str(h)[:80]!r} is malformed")
+        for row in (h, d, t):
+            offset, length = row[2], row[3]
+            if type(length) is not int or type(row[4]) is not str:
                 raise ValueError(f"layout row {str(row)[:80]!r} is malformed")
-            if seg.offset != pos or type(seg.offset) is not int:
-                raise ValueError(f"segment {kind} of {str(seg.fqn)[:80]!r} starts at {seg.offset!r}, expected {pos}")
-            if not 0 <= seg.length < 1 << 52:
+            if type(offset) is not int or offset != pos:
+                raise ValueError(f"segment {row[0]} of {fqn[:80]!r} starts at {offset!r}, expected {pos}")
+            if not 0 <= length < 1 << 52:
                 raise ValueError(f"layout row {str(row)[:80]!r} has an invalid offset or length")
-            pos += seg.length
-            trio.append(seg)
-        fqn = trio[0].fqn
-        if trio[1].fqn != fqn or trio[2].fqn != fqn:
-            raise ValueError(f"layout rows {i}..{i + 2} are not one tensor's head, data and tail")
+            pos += length
         if fqn in by_fqn:
             raise ValueError(f"tensor {fqn[:80]!r} appears twice in the layout")
-        by_fqn[fqn] = {"head": trio[0], "data": trio[1], "tail": trio[2]}
+        by_fqn[fqn] = {"head": new(Segment, h), "data": new(Segment, d), "tail": new(Segment, t)}
     if pos != file_size:
         raise ValueError(f"the layout covers {pos} bytes, the data file has {file_size}")
     if metadata is None and tensors is None:
@@ -163,7 +166,7 @@ def parse_layout(
         if set(tensors) != set(by_fqn):
             raise ValueError("the segment table's tensor list and its segments name different tensors")
         for fqn, (shape, dtype) in tensors.items():
-            want = math.prod(shape) * _ITEM_SIZES.setdefault(dtype, torch.empty((), dtype=dtype).element_size())
+            want = math.prod(shape) * dtype.itemsize
             held = by_fqn[fqn]["data"].length
             if held != want:
                 raise ValueError(f"{fqn[:80]!r}: the layout holds {held} bytes, its shape needs {want}")
@@ -194,7 +197,7 @@ def parse_layout(
         size = shapes[fqn]
         if size is None or not isinstance(found, torch.dtype):
             raise ValueError(f"the DCP metadata has no tensor entry for {fqn[:80]!r}")
-        want = math.prod(size) * torch.empty((), dtype=found).element_size()
+        want = math.prod(size) * found.itemsize
         if segs["data"].length != want:
             raise ValueError(f"{fqn[:80]!r}: the layout holds {segs['data'].length} bytes, its shape needs {want}")
     return by_fqn
@@ -209,13 +212,22 @@ def _chunk_sizes(metadata: Any, index: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _leaves(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[str, tuple[str, ...], Any]]:
-    for key, value in tree.items():
-        p = (*path, str(key))
-        if isinstance(value, Mapping):
-            yield from _leaves(value, p)
+def _leaves(tree: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]]:
+    """``(dotted name, path, value)`` of every leaf, in order (a list: walked once per use, without
+    a generator frame per nesting level, which cost more than the rest per small tensor)."""
+    out: list[tuple[str, tuple[str, ...], Any]] = []
+    stack: list[tuple[tuple[str, ...], Iterator[tuple[Any, Any]]]] = [((), iter(tree.items()))]
+    while stack:
+        path, items = stack[-1]
+        for key, value in items:
+            p = (*path, str(key))
+            if isinstance(value, dict) or (not isinstance(value, torch.Tensor) and isinstance(value, Mapping)):
+                stack.append((p, iter(value.items())))
+                break
+            out.append((".".join(p), p, value))
         else:
-            yield ".".join(p), p, value
+            stack.pop()
+    return out
 
 
 def can_use_fast_path(tree: Mapping[str, Any], loading: bool = False) -> bool:
@@ -233,8 +245,10 @@ def can_use_fast_path(tree: Mapping[str, Any], loading: bool = False) -> bool:
 
 def skeleton_sums(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, str]:
     """The checksums of the ``torch.save`` head and tail of a tensor of ``shape`` and ``dtype``."""
-    _, _, head, tail = _skeleton(torch.empty(shape, dtype=dtype, device="meta"))
-    return head, tail
+    cached = _SKELETONS.get((shape, dtype))
+    if cached is None:  # a meta tensor costs more than the look-up: made only on a miss
+        cached = _skeleton(torch.empty(shape, dtype=dtype, device="meta"))
+    return cached[2], cached[3]
 
 
 def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
@@ -264,7 +278,8 @@ def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
 
 def exact(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when it is contiguous and owns exactly its storage, else a compact copy."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()  # only its bytes are read; a detach per tensor is not free, so only when needed
     if t.is_conj() or t.is_neg():
         # A lazy conjugate or negation: its memory holds the other values; write the real ones.
         t = t.resolve_conj().resolve_neg()
@@ -352,21 +367,23 @@ def write_fast(
     streamed there (see :func:`write_items`); DCP's small ``.metadata`` is still written locally.
     """
     os.makedirs(model_dir, exist_ok=True)
-    leaves = [(fqn, path, exact(value)) for fqn, path, value in _leaves(tree)]
+    with paused_gc():
+        leaves = [(fqn, path, exact(value)) for fqn, path, value in _leaves(tree)]
     data_path = os.path.join(model_dir, DATA_FILE)
     entry, segments, starts = write_items(data_path, [(f, t) for f, _, t in leaves], threads, sink)
-    # DCP's metadata depends only on names, shapes and dtypes (offsets follow from them): the
-    # bytes are made once per layout, as the skeletons are (pickling 10,000 entries takes longer
-    # than writing their bytes).
-    key = (tuple((path, t.shape, t.dtype) for _, path, t in leaves), tuple(starts))
-    meta_bytes = _METADATA.get(key)
-    if meta_bytes is None:
-        meta_bytes = pickle.dumps(_metadata([(f, p, t, s, segs) for (f, p, t), s, segs in
-                                             zip(leaves, starts, _trios(segments), strict=True)]))  # fmt: skip
-        with _CRC_LOCK:
-            if len(_METADATA) >= 4:
-                _METADATA.pop(next(iter(_METADATA)))
-            _METADATA[key] = meta_bytes
+    with paused_gc():
+        # DCP's metadata depends only on names, shapes and dtypes (offsets follow from them): the
+        # bytes are made once per layout, as the skeletons are (pickling 10,000 entries takes
+        # longer than writing their bytes).
+        key = (tuple((path, t.shape, t.dtype) for _, path, t in leaves), tuple(starts))
+        meta_bytes = _METADATA.get(key)
+        if meta_bytes is None:
+            meta_bytes = pickle.dumps(_metadata([(f, p, t, s, segs) for (f, p, t), s, segs in
+                                                 zip(leaves, starts, _trios(segments), strict=True)]))  # fmt: skip
+            with _CRC_LOCK:
+                if len(_METADATA) >= 4:
+                    _METADATA.pop(next(iter(_METADATA)))
+                _METADATA[key] = meta_bytes
     return {DATA_FILE: entry, ".metadata": write_synced(os.path.join(model_dir, ".metadata"), meta_bytes)}, segments
 
 
@@ -397,20 +414,22 @@ def write_items(
     are streamed there instead (an object-store upload; ``data_path`` is not written), and the
     sink is closed (or aborted on failure).
     """
-    items = []
-    offset = 0
-    for fqn, t in tensors:
-        head, tail, head_sum, tail_sum = _skeleton(t)
-        data = _bytes_of(t)
-        items.append((fqn, head, data, tail, offset, head_sum, tail_sum))
-        offset += len(head) + len(data) + len(tail)
-    total = offset
+    with paused_gc():
+        items = []
+        offset = 0
+        for fqn, t in tensors:
+            head, tail, head_sum, tail_sum = _skeleton(t)
+            data = _bytes_of(t)
+            items.append((fqn, head, data, tail, offset, head_sum, tail_sum))
+            offset += len(head) + len(data) + len(tail)
+        total = offset
+        if sink is None:
+            pieces: list[tuple[int, Any]] = []
+            for _, head, data, tail, start, _, _ in items:
+                pieces += ((start, head), (start + len(head), data), (start + len(head) + len(data), tail))
+            jobs = _gather(pieces)
     if sink is not None:
         return _stream_items(sink, items, total)
-    pieces: list[tuple[int, Any]] = []
-    for _, head, data, tail, start, _, _ in items:
-        pieces += ((start, head), (start + len(head), data), (start + len(head) + len(data), tail))
-    jobs = _gather(pieces)
     fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         if total:
@@ -420,12 +439,14 @@ def write_items(
         def write_job(job: tuple[int, list[Any]]) -> None:
             _pwritev_all(fd, job[1], job[0])
 
-        segments: list[Segment] = []
+        data_sums: list[str] = []
         whole = new_hasher()
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-write") as pool:
             pending = [pool.submit(write_job, j) for j in jobs]
             # Hash while the writers run: one sequential pass over the same memory, GIL released.
-            for fqn, head, data, tail, start, head_sum, tail_sum in items:
+            # Only strings are made here (the segments after): this loop lasts as long as the
+            # writes, when the collector is not paused (see gcpause).
+            for _, head, data, tail, _, _, _ in items:
                 whole.update(head)
                 if len(data) <= _CHUNK:
                     data_sum = xxhash.xxh3_64_hexdigest(data)
@@ -437,18 +458,23 @@ def write_items(
                         whole.update(data[i : i + _CHUNK])
                     data_sum = h.hexdigest()
                 whole.update(tail)
-                at = start + len(head)
-                segments += (
-                    Segment("head", fqn, start, len(head), head_sum),
-                    Segment("data", fqn, at, len(data), data_sum),
-                    Segment("tail", fqn, at + len(data), len(tail), tail_sum),
-                )
+                data_sums.append(data_sum)
             for fut in pending:
                 fut.result()
         os.fsync(fd)
     finally:
         os.close(fd)
-    return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
+    with paused_gc():
+        segments: list[Segment] = []
+        new = _new_segment
+        for (fqn, head, data, tail, start, head_sum, tail_sum), data_sum in zip(items, data_sums, strict=True):
+            at = start + len(head)
+            segments += (
+                new(Segment, ("head", fqn, start, len(head), head_sum)),
+                new(Segment, ("data", fqn, at, len(data), data_sum)),
+                new(Segment, ("tail", fqn, at + len(data), len(tail), tail_sum)),
+            )
+        return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
 
 
 def _stream_items(sink: Upload, items: list[Any], total: int) -> tuple[FileEntry, list[Segment], list[int]]:
@@ -506,14 +532,15 @@ def _metadata(items: list[Any]) -> Metadata:
 
 
 R = TypeVar("R")
+V = TypeVar("V")
 
 
 def fetch_and_place(
     pool: ThreadPoolExecutor,
     others: list[Future[Any]],
     runs: list[R],
-    fetch: Callable[[R], memoryview],
-    place: Callable[[R, memoryview], None],
+    fetch: Callable[[R], V],
+    place: Callable[[R, V], None],
     ahead: int,
 ) -> None:
     """Fetch ``runs`` on ``pool`` (``ahead`` at a time, in order) and ``place`` each in this thread.
@@ -524,7 +551,7 @@ def fetch_and_place(
     nothing writes into a tensor afterwards.
     """
     error: BaseException | None = None
-    window: deque[tuple[R, Future[memoryview]]] = deque()
+    window: deque[tuple[R, Future[V]]] = deque()
     pending = iter(runs)
     for run in islice(pending, ahead):
         window.append((run, pool.submit(fetch, run)))
@@ -555,6 +582,25 @@ def pread_full(fd: int, view: memoryview, offset: int, where: str) -> None:
         if n == 0:
             raise CorruptCheckpointError(f"{where} ends early (truncated file)")
         pos += n
+
+
+def preadv_full(fd: int, bufs: list[memoryview], offset: int, where: str) -> None:
+    """Fill consecutive buffers from ``fd`` at ``offset`` (a scatter read, IOV_MAX at a time).
+
+    ``bufs`` is consumed. Short reads are continued; CorruptCheckpointError naming ``where`` if the
+    file ends early.
+    """
+    i = 0
+    while i < len(bufs):
+        n = os.preadv(fd, bufs[i : i + _IOV_MAX], offset)
+        if n == 0 and any(len(b) for b in bufs[i : i + _IOV_MAX]):
+            raise CorruptCheckpointError(f"{where} ends early (truncated file)")
+        offset += n
+        while i < len(bufs) and n >= len(bufs[i]):
+            n -= len(bufs[i])
+            i += 1
+        if n:
+            bufs[i] = bufs[i][n:]
 
 
 def _preadinto(
@@ -620,33 +666,33 @@ def read_fast(
                         f"checkpoint says {seg.xxh3_64}; load an earlier checkpoint or restore this one from a copy"
                     )
 
-        def read_run(run: list[tuple[str, torch.Tensor, Mapping[str, Segment]]]) -> memoryview:
-            # Many small tensors: one read of their whole span (a read per header was most of the cost).
-            start = run[0][2]["head"].offset
-            tail = run[-1][2]["tail"]
-            view = memoryview(bytearray(tail.offset + tail.length - start))
-            pread_full(fd, view, start, where)
-            return view
-
-        def place_run(run: list[tuple[str, torch.Tensor, Mapping[str, Segment]]], view: memoryview) -> None:
-            # Each segment is checked in memory before its bytes are copied into place.
-            start = run[0][2]["head"].offset
+        def read_run(run: list[tuple[str, torch.Tensor, Mapping[str, Segment]]]) -> list[memoryview]:
+            # Many small tensors: one scatter read of their whole span, each tensor's bytes straight
+            # into it and the headers into scratch (a read per header was most of the cost, and a
+            # copy through a buffer one more pass over memory). Each tensor is backed up first.
+            bufs: list[memoryview] = []
             for fqn, dest, segs in run:
-                for kind in ("head", "data", "tail"):
-                    seg = segs[kind]
-                    if verify:
-                        got = xxhash.xxh3_64_hexdigest(view[seg.offset - start : seg.offset - start + seg.length])
-                        if got != seg.xxh3_64:
-                            raise CorruptCheckpointError(
-                                f"{where} is corrupt: the bytes of {fqn} ({kind}) have checksum {got}, "
-                                f"the checkpoint says {seg.xxh3_64}; load an earlier checkpoint or restore this "
-                                "one from a copy"
-                            )
                 data = segs["data"]
-                if data.length:
-                    if before_write is not None:
-                        before_write(fqn, 0, data.length)
-                    _bytes_of(dest)[:] = view[data.offset - start : data.offset - start + data.length]
+                if data.length and before_write is not None:
+                    before_write(fqn, 0, data.length)
+                bufs += (memoryview(bytearray(segs["head"].length)), _bytes_of(dest),
+                         memoryview(bytearray(segs["tail"].length)))  # fmt: skip
+            preadv_full(fd, list(bufs), run[0][2]["head"].offset, where)
+            return bufs
+
+        def check_run(run: list[tuple[str, torch.Tensor, Mapping[str, Segment]]], bufs: list[memoryview]) -> None:
+            # A mismatch raises; the loader then puts the tensors back from their backups.
+            if not verify:
+                return
+            for i, (fqn, _, segs) in enumerate(run):
+                for k, kind in enumerate(("head", "data", "tail")):
+                    got = xxhash.xxh3_64_hexdigest(bufs[3 * i + k])
+                    if got != segs[kind].xxh3_64:
+                        raise CorruptCheckpointError(
+                            f"{where} is corrupt: the bytes of {fqn} ({kind}) have checksum {got}, "
+                            f"the checkpoint says {segs[kind].xxh3_64}; load an earlier checkpoint or restore "
+                            "this one from a copy"
+                        )
 
         small = sorted((j for j in jobs if j[2]["data"].length < _SMALL_PIECE), key=lambda j: j[2]["head"].offset)
         runs: list[list[tuple[str, torch.Tensor, Mapping[str, Segment]]]] = []
@@ -665,6 +711,6 @@ def read_fast(
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
             futures = [pool.submit(load, j) for j in sorted(large, key=lambda j: -j[1].numel())]
-            fetch_and_place(pool, futures, runs, read_run, place_run, ahead=max(2, threads))
+            fetch_and_place(pool, futures, runs, read_run, check_run, ahead=max(2, threads))
     finally:
         os.close(fd)

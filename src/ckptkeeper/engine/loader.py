@@ -15,6 +15,7 @@ The order of a load:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Mapping
@@ -27,7 +28,6 @@ from ..errors import CorruptCheckpointError
 from ..storage import is_url, storage_for
 from ..storage.layout import MODEL_DIR, train_state_name
 from ..storage.local import open_regular
-from .fastio import _bytes_of
 from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, loads_bounded
 from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 from .staging import Stager
@@ -209,10 +209,13 @@ class Rollback:
         """
         if name not in self._leaves or self._saved.get(name) == -1:
             return
-        if 0 < length < _SMALL_COPY:
-            # A plain memory copy: a handful of torch calls per small tensor cost more than its bytes.
-            src_view = _bytes_of(_local(self._leaves[name]).detach())
-            _bytes_of(self._buffers[name])[start : start + length] = src_view[start : start + length]
+        src = _local(self._leaves[name])
+        if 0 < length < _SMALL_COPY and src.is_contiguous() and src.device.type == "cpu":
+            # A plain memory copy: torch calls (even a byte view) per small tensor cost more than its
+            # bytes. Both are contiguous with the same layout (the buffer was made like the tensor).
+            if start + length > src.numel() * src.element_size():
+                raise ValueError(f"{name}: bytes {start}..{start + length} are outside the tensor")
+            ctypes.memmove(self._buffers[name].data_ptr() + start, src.data_ptr() + start, length)
         elif length:
             src = self._bytes(_local(self._leaves[name]))
             self._bytes(self._buffers[name])[start : start + length].copy_(src[start : start + length])

@@ -37,6 +37,7 @@ from .agreement import agree, unwrap
 from .commit import CommitMethod
 from .discovery import LAYOUT_FILE
 from .fastio import DATA_FILE, TENSORS_KEY, Segment, can_use_fast_path, tensor_table, write_fast, write_synced
+from .gcpause import paused_gc
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
 from .sharded import Piece, PieceEntry, build_metadata, local_pieces, shard_name, write_shard
@@ -219,9 +220,11 @@ def write_checkpoint(
             # record it would grow with the number of tensors, and ls reads every record.
             # Shapes and dtypes ride along, so loads need not decode DCP's metadata (10,000
             # pickled entries cost more than reading the tensors); DCP's .metadata is for DCP.
-            table = {f"{MODEL_DIR}/{DATA_FILE}": segments, TENSORS_KEY: tensor_table(tensors)}
+            with paused_gc():
+                table = {f"{MODEL_DIR}/{DATA_FILE}": segments, TENSORS_KEY: tensor_table(tensors)}
+                encoded = json.dumps(table).encode()
             with translate_os_error(work):
-                storage_for(work).write_bytes(os.path.join(work, LAYOUT_FILE), json.dumps(table).encode())
+                storage_for(work).write_bytes(os.path.join(work, LAYOUT_FILE), encoded)
         return None
 
     def finish_own_files() -> dict[str, FileEntry]:

@@ -269,7 +269,7 @@ def metadata_from_tables(tables: Mapping[str, tuple[Any, Any]], sizes: Mapping[s
             if fqn not in segs:
                 raise ValueError(f"the segment table of {data_file} has no segments for {str(fqn)[:80]!r}")
             trio = segs[fqn]
-            want = math.prod(sizes_) * torch.empty((), dtype=dtype).element_size()
+            want = math.prod(sizes_) * dtype.itemsize
             if trio["data"].length != want or (trio["head"].xxh3_64, trio["tail"].xxh3_64) != skeleton_sums(
                 sizes_, dtype
             ):
