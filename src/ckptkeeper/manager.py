@@ -219,6 +219,9 @@ class CheckpointManager:
         self._bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-bookkeeping")
         self._bookkeeping_futures: list[Future[Any]] = []
         self._bookkeeping_closed = False
+        #: ``(path, error)`` of each removed checkpoint whose files could not all be deleted
+        #: (collected by :meth:`wait_for_bookkeeping` and :meth:`close`; each was also logged).
+        self.removal_failures: list[tuple[str, Exception]] = []
         self._reported: set[int] = set()
         self._position = DataPosition()
         self._loader: Any = None
@@ -743,8 +746,8 @@ class CheckpointManager:
                 # The checkpointer's deleter thread, not the bookkeeping one: a slow bucket delete
                 # must not hold up retention, user ops or the next removal's visibility.
                 self.checkpointer.remove(path, background=True)
-            except CkptkeeperError as exc:
-                # Retention is housekeeping: a checkpoint it may not delete is left, never a crash.
+            except (CkptkeeperError, OSError) as exc:
+                # Retention is housekeeping: a checkpoint it may not (or cannot) delete is left, never a crash.
                 log.error("not removing %s: %s", path, exc)
 
     def _apply_retention(self) -> None:
@@ -778,7 +781,7 @@ class CheckpointManager:
                 self.history.append(CheckpointEvent("remove", step, current, None, path))
                 try:
                     self.checkpointer.remove(path)
-                except CkptkeeperError as exc:
+                except (CkptkeeperError, OSError) as exc:
                     log.error("retention: not removing %s: %s", path, exc)
 
         self.run_bookkeeping_op(work, op_name="retention")
@@ -822,12 +825,12 @@ class CheckpointManager:
     def wait_for_bookkeeping(self) -> None:
         """Block until every background bookkeeping op and queued deletion has finished.
 
-        Failed deletions were logged when they failed; they never raise here (housekeeping must
-        not kill a run, and what they left is invisible and cleaned up at the next start).
+        Failed deletions were logged when they failed and are added to :attr:`removal_failures`;
+        they never raise (housekeeping must not kill a run; each error says what was left).
         """
         while self._bookkeeping_futures:
             self._bookkeeping_futures.pop(0).result()
-        self.checkpointer.wait_for_removals()
+        self.removal_failures.extend(self.checkpointer.wait_for_removals())
 
     # ------------------------------------------------------------------ triggers
 

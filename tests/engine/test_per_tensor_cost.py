@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptkeeper import Checkpointer, CorruptCheckpointError
+from ckptkeeper import Checkpointer, CkptkeeperError, CorruptCheckpointError
 from ckptkeeper.cli.bench_run import _FixedState
 from ckptkeeper.engine import discovery, fastio
 from ckptkeeper.engine.gcpause import paused_gc
@@ -97,8 +97,13 @@ def test_a_truncated_run_is_refused_before_anything_changes(tmp_path: Path) -> N
         os.close(fd)
 
 
+def _collecting() -> bool:
+    return gc.isenabled() and gc.get_threshold()[0] != 0
+
+
 def test_the_collector_pause_nests_spans_threads_and_restores_what_was() -> None:
-    assert gc.isenabled()
+    assert _collecting()
+    threshold = gc.get_threshold()
     entered, leave = threading.Event(), threading.Event()
 
     def other() -> None:
@@ -108,38 +113,158 @@ def test_the_collector_pause_nests_spans_threads_and_restores_what_was() -> None
 
     t = threading.Thread(target=other)
     with paused_gc():
-        assert not gc.isenabled()
+        assert not _collecting()
         t.start()
         assert entered.wait(10)
         with paused_gc():
-            assert not gc.isenabled()
-    assert not gc.isenabled()  # the other thread still holds it
+            assert not _collecting()
+    assert not _collecting()  # the other thread still holds it
     leave.set()
     t.join()
-    assert gc.isenabled()
+    assert gc.get_threshold() == threshold and gc.isenabled()
     with pytest.raises(RuntimeError), paused_gc():
         raise RuntimeError("boom")
-    assert gc.isenabled()
-    gc.disable()  # the user's own choice is kept
+    assert gc.get_threshold() == threshold
+
+
+def test_the_users_own_collector_settings_win(tmp_path: Path) -> None:
+    # Found by an outside attack: a gc.disable() made by training while a background save held
+    # the pause was undone when the pause ended.
+    threshold = gc.get_threshold()
     try:
         with paused_gc():
-            pass
+            gc.disable()  # e.g. a GC-managing callback, while an async save runs
         assert not gc.isenabled()
+        gc.enable()
+        with paused_gc():
+            gc.set_threshold(5000, 20, 20)  # somebody's tuning, made during the pause, stays
+        assert gc.get_threshold() == (5000, 20, 20)
+        gc.set_threshold(*threshold)
+        gc.disable()
+        with paused_gc():
+            pass
+        assert not gc.isenabled() and gc.get_threshold() == threshold
     finally:
         gc.enable()
+        gc.set_threshold(*threshold)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_a_pause_collects_again() -> None:
+    # Found by an outside attack: a data-loader worker forked while a background save held the
+    # pause inherited it, with nobody left to end it.
+    threshold = gc.get_threshold()
+    with paused_gc():
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit code
+            ok = gc.get_threshold() == threshold and gc.isenabled()
+            with paused_gc():
+                ok = ok and gc.get_threshold()[0] == 0
+            ok = ok and gc.get_threshold() == threshold
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_saves_and_loads_leave_the_collector_on_even_when_they_fail(tmp_path: Path) -> None:
     tree = _tree(2)
     ck = Checkpointer()
     ck.save(str(tmp_path), 1, _FixedState(tree))
-    assert gc.isenabled()
+    assert _collecting()
     _, fut = ck.save_async(str(tmp_path), 2, _FixedState(tree))
     fut.result()
     ck.wait()
-    assert gc.isenabled()
+    assert _collecting()
     with pytest.raises(CorruptCheckpointError):
         (tmp_path / "step1" / "model_and_optim" / "__0_0.distcp").write_bytes(b"")
         ck.load(str(tmp_path / "step1"), _FixedState(_like(tree, 0.0)))
-    assert gc.isenabled()
+    assert _collecting()
     ck.close()
+
+
+class _Emb(torch.nn.Module):
+    def __init__(self, seed: int, tied: bool) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+
+def test_destinations_sharing_memory_are_checked_against_the_bytes_read(tmp_path: Path) -> None:
+    # Found by an outside attack: reads went straight into tied memory and were checked there, so
+    # the second name's bytes hid the first's (an intact untied checkpoint refused as corrupt,
+    # a damaged first copy accepted).
+    from ckptkeeper import TrainingState
+
+    untied = _Emb(0, tied=False)
+    Checkpointer().save(str(tmp_path / "a"), 1, TrainingState(untied))
+    tied = _Emb(1, tied=True)
+    Checkpointer().load(str(tmp_path / "a" / "step1"), TrainingState(tied))
+    assert torch.equal(tied.head.weight, untied.head.weight)  # the later name, as DCP would leave it
+
+    Checkpointer().save(str(tmp_path / "b"), 1, TrainingState(_Emb(0, tied=True)))
+    folder = tmp_path / "b" / "step1"
+    rows = discovery.read_layout(str(folder), Checkpointer().read_record(str(folder)))["model_and_optim/__0_0.distcp"]
+    seg = next(r for r in rows if r[0] == "data" and r[1] == "model.emb.weight")
+    data_file = folder / "model_and_optim" / "__0_0.distcp"
+    raw = bytearray(data_file.read_bytes())
+    raw[seg[2] + 5] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    target = _Emb(2, tied=True)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(CorruptCheckpointError, match=r"model\.emb\.weight \(data\)"):
+        Checkpointer().load(str(folder), TrainingState(target))
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in before.items())
+
+
+def test_overlapping_views_of_one_buffer_load_and_roll_back_exactly(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    tree = {"model": {n: torch.randn(40, generator=g) for n in ("a", "b", "c")}}
+    Checkpointer().save(str(tmp_path), 1, _FixedState(tree))
+    flat = torch.arange(100, dtype=torch.float32)
+    # Overlapping windows of one buffer: a at 0..39, b at 30..69, c at 60..99.
+    dests = {"model": {"a": flat[0:40], "b": flat[30:70], "c": flat[60:100]}}
+    kept = flat.clone()
+    folder = tmp_path / "step1"
+    rows = discovery.read_layout(str(folder), Checkpointer().read_record(str(folder)))["model_and_optim/__0_0.distcp"]
+    seg = next(r for r in rows if r[0] == "data" and r[1] == "model.c")
+    data_file = folder / "model_and_optim" / "__0_0.distcp"
+    good = data_file.read_bytes()
+    raw = bytearray(good)
+    raw[seg[2] + 3] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match=r"model\.c"):
+        Checkpointer().load(str(folder), _FixedState(dests))
+    assert torch.equal(flat, kept)
+    data_file.write_bytes(good)
+    Checkpointer().load(str(folder), _FixedState(dests))
+    assert torch.equal(flat[60:100], tree["model"]["c"])  # the last in file order wins where they overlap
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(torch.qint8, (2,)), (torch.float32, (2**51, 2**51, 2**51, 0)), (torch.float32, (-1,))],
+)
+def test_a_table_naming_an_unsaveable_tensor_is_corrupt_not_a_crash(
+    tmp_path: Path, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    # Found by an outside attack: torch's own RuntimeError for such a tensor escaped the checks,
+    # so a resume crashed instead of falling back to the checkpoint before.
+    with pytest.raises(ValueError, match="shape"):
+        fastio.skeleton_sums(shape, dtype)
+    import json
+
+    from ..helpers import forge
+
+    tree = {"model": {"a": torch.ones(4)}}
+    Checkpointer().save(str(tmp_path), 1, _FixedState(tree))
+    folder = tmp_path / "step1"
+    table = json.loads((folder / discovery.LAYOUT_FILE).read_bytes())
+    table["tensors"]["model.a"] = [str(dtype), list(shape)]
+    forge(folder, discovery.LAYOUT_FILE, json.dumps(table).encode())
+    dest = {"model": {"a": torch.zeros(4)}}
+    with pytest.raises(CkptkeeperError):  # corrupt, or not fitting: a clear error either way
+        Checkpointer().load(str(folder), _FixedState(dest))
+    assert torch.equal(dest["model"]["a"], torch.zeros(4))

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -181,6 +182,8 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
                 "wrote it (an OLMo-core checkpoint, or somebody else's folder); delete it yourself if it is not needed"
             )
         foreign = _unlisted_local_files(local)
+        if foreign is None:
+            return False  # the record went since it was checked: another remover is at work on it
         if foreign:
             # Somebody put files of their own in the checkpoint (eval outputs, notes): the record
             # goes first (invisible at once), then exactly the listed files; theirs stay in step{N}.
@@ -197,7 +200,13 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
         def delete_local() -> None:
             t0 = time.perf_counter()
             files, size = _count(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            failed = _rmtree_collecting(trash)
+            if failed:
+                raise StorageError(
+                    f"could not delete {len(failed)} file(s) of removed checkpoint {local} (now {trash}), e.g. "
+                    f"{failed[0]}; the checkpoint is already invisible, and the trash folder is deleted again "
+                    "when a run next opens the save folder"
+                )
             emit("remove", path=local, step=step, files=files, bytes=size, seconds=time.perf_counter() - t0, retries=0)
 
         (run_in_background or _now)(delete_local)
@@ -219,8 +228,15 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
         # The upload intents go last: a removal cut short (a crash, a kill) leaves objects that
         # the intents still announce, so the next run's clean-up can prove them ours and finish.
         marker = f"/{INTENT_DIR}/"
-        n = storage.remove_files([p for p in doomed if marker not in p])
-        n += storage.remove_files([p for p in doomed if marker in p])
+        try:
+            n = storage.remove_files([p for p in doomed if marker not in p])
+            n += storage.remove_files([p for p in doomed if marker in p])
+        except (OSError, StorageError) as exc:
+            raise StorageError(
+                f"could not delete the objects of removed checkpoint {canon}: {exc}; the checkpoint is already "
+                "invisible, and its upload intents still name what is left, so a run that next opens the save "
+                "folder deletes it"
+            ) from exc
         emit("remove", path=canon, step=step, files=n, bytes=None, seconds=time.perf_counter() - t0,
              retries=getattr(storage, "retries", 0) - before)  # fmt: skip
 
@@ -264,12 +280,8 @@ class Deleter:
             try:
                 fn()
             except Exception as exc:
-                log.error(
-                    "deleting the files of removed checkpoint %s failed (%s); it is already invisible, and the "
-                    "leftovers are cleaned up when the next run opens this save folder",
-                    path,
-                    exc,
-                )
+                # The error says what was left and what cleans it up (the checkpoint is invisible already).
+                log.error("deleting the files of removed checkpoint %s failed: %s", path, exc)
                 with self._lock:
                     self._failures.append((path, exc))
             took = time.perf_counter() - t0
@@ -308,11 +320,16 @@ class Deleter:
         return failures
 
 
-def _unlisted_local_files(folder: str) -> list[str]:
-    """Files and links in a local checkpoint that its record does not name (nor its intents)."""
+def _unlisted_local_files(folder: str) -> list[str] | None:
+    """Files and links in a local checkpoint that its record does not name (nor its intents).
+
+    None when the record is gone (it was there a moment ago: another remover deleted it first).
+    """
     try:
         with os.fdopen(open_regular(os.path.join(folder, COMMIT_RECORD)), "rb") as f:
             listed = set(CommitRecord.from_json(f.read(MAX_RECORD_BYTES + 1), folder).files)
+    except FileNotFoundError:
+        return None
     except (OSError, CorruptCheckpointError):
         return []  # our record, unreadable: the folder is ours as a whole
     out = []
@@ -335,19 +352,60 @@ def _remove_listed_only(
     def delete_listed() -> None:
         t0 = time.perf_counter()
         size = 0
+        failed: list[str] = []
         for rel in listed:
-            with contextlib.suppress(FileNotFoundError):
-                size += os.lstat(os.path.join(folder, rel)).st_size
-                os.unlink(os.path.join(folder, rel))
+            try:
+                size += _unlink_inside(folder, rel)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                failed.append(f"{rel} ({exc.strerror or exc})")
         for dirpath, _, _ in sorted(os.walk(folder, topdown=False), key=lambda w: -len(w[0])):
             with contextlib.suppress(OSError):
                 os.rmdir(dirpath)  # only empty ones go
         log.warning("removed checkpoint %s but kept files ckptkeeper did not write: %s", folder, ", ".join(foreign[:5]))
+        if failed:
+            raise StorageError(
+                f"could not delete {len(failed)} file(s) ckptkeeper wrote in removed checkpoint {folder}, e.g. "
+                f"{failed[0]}; the folder is no longer a checkpoint (its record is gone, and it holds files of "
+                "somebody else's, so it is not deleted whole): delete those files by hand"
+            )
         emit("remove", path=folder, step=step, files=len(listed), bytes=size, seconds=time.perf_counter() - t0,
              retries=0)  # fmt: skip
 
     (run_in_background or _now)(delete_listed)
     return True
+
+
+def _unlink_inside(folder: str, rel: str) -> int:
+    """Unlink ``folder/rel`` without following a link on the way there; returns its size.
+
+    Every folder on the way is opened with O_NOFOLLOW relative to the one before, so a name
+    listed as ``x/file`` where ``x`` is somebody's link to elsewhere is never reached (an OSError:
+    too many levels of links, or not a folder). The file itself, if a link, is unlinked.
+    """
+    parts = rel.split("/")
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for name in parts[:-1]:
+            inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        size = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False).st_size
+        os.unlink(parts[-1], dir_fd=fd)
+        return size
+    finally:
+        os.close(fd)
+
+
+def _rmtree_collecting(folder: str) -> list[str]:
+    """Delete ``folder`` as far as possible; returns what could not be deleted, with why."""
+    failed: list[str] = []
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(folder, onexc=lambda _fn, path, exc: failed.append(f"{path} ({exc})"))
+    else:
+        shutil.rmtree(folder, onerror=lambda _fn, path, info: failed.append(f"{path} ({info[1]})"))
+    return failed
 
 
 def _count(folder: str) -> tuple[int, int]:

@@ -247,7 +247,12 @@ def skeleton_sums(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, str]
     """The checksums of the ``torch.save`` head and tail of a tensor of ``shape`` and ``dtype``."""
     cached = _SKELETONS.get((shape, dtype))
     if cached is None:  # a meta tensor costs more than the look-up: made only on a miss
-        cached = _skeleton(torch.empty(shape, dtype=dtype, device="meta"))
+        if not all(type(n) is int and 0 <= n < 1 << 52 for n in shape):
+            raise ValueError(f"no plain tensor has shape {list(shape)[:8]} and dtype {dtype}")
+        try:
+            cached = _skeleton(torch.empty(shape, dtype=dtype, device="meta"))
+        except (RuntimeError, OverflowError) as exc:  # torch's own refusal of a forged shape or dtype
+            raise ValueError(f"no tensor of shape {list(shape)[:8]} and dtype {dtype} can be saved: {exc}") from None
     return cached[2], cached[3]
 
 
@@ -644,6 +649,17 @@ def read_fast(
         if segs["data"].length != want or not dest.is_contiguous() or dest.device.type != "cpu":
             raise ValueError(f"{fqn}: {segs['data'].length} bytes saved, destination holds {want}")
         jobs.append((fqn, dest, segs))
+    # Destinations whose memory overlaps another's (tied weights, views of one buffer) are not
+    # read in place: a read into one would change what the other's check sees, or race with it.
+    # They are backed up first, then read through scratch, checked, and copied in, in file order.
+    aliased = _overlapping(jobs)
+    late = sorted((j for j in jobs if j[0] in aliased), key=lambda j: j[2]["head"].offset)
+    if aliased:
+        jobs = [j for j in jobs if j[0] not in aliased]
+        if before_write is not None:
+            for fqn, _, segs in late:
+                if segs["data"].length:
+                    before_write(fqn, 0, segs["data"].length)
     # O_NOFOLLOW: a checkpoint's data file is never a link to somewhere else.
     fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW)
     try:
@@ -712,5 +728,28 @@ def read_fast(
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
             futures = [pool.submit(load, j) for j in sorted(large, key=lambda j: -j[1].numel())]
             fetch_and_place(pool, futures, runs, read_run, check_run, ahead=max(2, threads))
+        for job in late:
+            bufs = [memoryview(bytearray(job[2][kind].length)) for kind in ("head", "data", "tail")]
+            preadv_full(fd, list(bufs), job[2]["head"].offset, where)
+            check_run([job], bufs)
+            if bufs[1].nbytes:
+                ctypes.memmove(job[1].data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(bufs[1])), bufs[1].nbytes)
     finally:
         os.close(fd)
+
+
+def _overlapping(jobs: list[tuple[str, torch.Tensor, Any]]) -> set[str]:
+    """Names of destinations whose bytes overlap another destination's."""
+    spans = sorted(
+        (dest.data_ptr(), dest.data_ptr() + n, fqn)
+        for fqn, dest, _ in jobs
+        if (n := dest.numel() * dest.element_size())
+    )
+    out: set[str] = set()
+    reach, reach_name = -1, ""
+    for start, end, fqn in spans:
+        if start < reach:
+            out.update((fqn, reach_name))
+        if end > reach:
+            reach, reach_name = end, fqn
+    return out
