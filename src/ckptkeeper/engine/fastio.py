@@ -22,6 +22,7 @@ through DCP's own writer and reader.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import math
@@ -57,6 +58,7 @@ DATA_FILE = "__0_0.distcp"
 _CHUNK = 64 << 20
 _SMALL_PIECE = 1 << 20  # pieces below this are joined with their neighbours into one write...
 _RUN_BYTES = 8 << 20  # ...of up to this many bytes
+_READ_AHEAD_RUNS = 4  # runs of small tensors the kernel is asked to read ahead of the reader
 _CRC_LOCK = threading.Lock()
 _SKELETONS: dict[tuple[tuple[int, ...], torch.dtype], tuple[bytes, bytes, str, str]] = {}
 _METADATA: dict[Any, bytes] = {}
@@ -727,7 +729,23 @@ def read_fast(
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
             futures = [pool.submit(load, j) for j in sorted(large, key=lambda j: -j[1].numel())]
-            fetch_and_place(pool, futures, runs, read_run, check_run, ahead=max(2, threads))
+            # Runs of small tensors are read by this thread alone, the kernel reading ahead of it:
+            # their work is Python per tensor, and reader threads taking turns with it over the
+            # GIL (each short copy or read giving it up and waiting to get it back) was slower.
+            error: BaseException | None = None
+            try:
+                for k, run in enumerate(runs):
+                    # A window of runs asked for ahead: all of it at first, then the run entering it.
+                    for upcoming in runs[: _READ_AHEAD_RUNS + 1] if k == 0 else runs[k + _READ_AHEAD_RUNS :][:1]:
+                        _will_need(fd, upcoming)
+                    check_run(run, read_run(run))
+            except BaseException as failed:  # raised once every reader has stopped writing
+                error = failed
+            for fut in futures:
+                exc = fut.exception()
+                error = error or exc
+            if error is not None:
+                raise error
         for job in late:
             bufs = [memoryview(bytearray(job[2][kind].length)) for kind in ("head", "data", "tail")]
             preadv_full(fd, list(bufs), job[2]["head"].offset, where)
@@ -736,6 +754,14 @@ def read_fast(
                 ctypes.memmove(job[1].data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(bufs[1])), bufs[1].nbytes)
     finally:
         os.close(fd)
+
+
+def _will_need(fd: int, run: list[tuple[str, torch.Tensor, Mapping[str, Segment]]]) -> None:
+    start = run[0][2]["head"].offset
+    tail = run[-1][2]["tail"]
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, start, tail.offset + tail.length - start, os.POSIX_FADV_WILLNEED)
 
 
 def _overlapping(jobs: list[tuple[str, torch.Tensor, Any]]) -> set[str]:

@@ -163,9 +163,19 @@ def check_fit(tensors: Mapping[str, Any], metadata: Any, where: str) -> bool:
 
 
 _SMALL_COPY = 1 << 20
+# ctypes.memmove gives up the GIL for the call; for a copy of a few microseconds, getting it back
+# (behind threads running Python) costs more than the copy, so small copies keep it.
+_MEMMOVE_AT = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
+_memmove_holding_gil = (
+    ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(_MEMMOVE_AT)
+    if _MEMMOVE_AT
+    else ctypes.memmove
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t  # the common case, without hasattr's cost (an exception inside) per tensor
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -180,13 +190,14 @@ class Rollback:
     """
 
     def __init__(self, stager: Stager, tensors: Mapping[str, Any], incremental: bool = False) -> None:
-        self._leaves = dict(flatten_tensors(tensors))
-        self._buffers = stager.buffers_for(tensors)
+        leaves = list(flatten_tensors(tensors))
+        self._leaves = dict(leaves)
+        locals_ = [(name, _local(t)) for name, t in leaves]
+        self._buffers = stager.buffers_for_locals(locals_)
         self._saved: dict[str, int] = {}  # bytes backed up from the start of each tensor
         self._lock = threading.Lock()
         by_storage: dict[int, list[str]] = {}
-        for name, t in self._leaves.items():
-            local = _local(t)
+        for name, local in locals_:
             if local.numel():
                 by_storage.setdefault(local.untyped_storage().data_ptr(), []).append(name)
         # Tensors that share memory (tied weights) are backed up up front: backed up one at a
@@ -215,7 +226,7 @@ class Rollback:
             # bytes. Both are contiguous with the same layout (the buffer was made like the tensor).
             if start + length > src.numel() * src.element_size():
                 raise ValueError(f"{name}: bytes {start}..{start + length} are outside the tensor")
-            ctypes.memmove(self._buffers[name].data_ptr() + start, src.data_ptr() + start, length)
+            _memmove_holding_gil(self._buffers[name].data_ptr() + start, src.data_ptr() + start, length)
         elif length:
             src = self._bytes(_local(self._leaves[name]))
             self._bytes(self._buffers[name])[start : start + length].copy_(src[start : start + length])

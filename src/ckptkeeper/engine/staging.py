@@ -30,7 +30,7 @@ class Stager:
     """Copies a tensor tree into buffers it owns; ``allocations`` counts buffer (re)allocations."""
 
     def __init__(self) -> None:
-        self._layout: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] | None = None
+        self._layout: tuple[tuple[str, torch.Size, torch.dtype], ...] | None = None
         self._buffers: dict[str, torch.Tensor] = {}
         self.allocations = 0
 
@@ -46,11 +46,16 @@ class Stager:
 
     def buffers_for(self, tree: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """This stager's buffers for ``tree``'s layout (allocated when the layout changed), by dotted path."""
-        self._buffers_for([(p, _local(t)) for p, t in flatten_tensors(tree)])
+        return self.buffers_for_locals([(p, _local(t)) for p, t in flatten_tensors(tree)])
+
+    def buffers_for_locals(self, locals_: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """:meth:`buffers_for` of an already flattened tree of local (per-rank) tensors."""
+        self._buffers_for(locals_)
         return dict(self._buffers)
 
     def _buffers_for(self, locals_: list[tuple[str, torch.Tensor]]) -> None:
-        layout = tuple((p, tuple(t.shape), t.dtype) for p, t in locals_)
+        # torch.Size is a tuple: compared as one without a copy per tensor.
+        layout = tuple((p, t.shape, t.dtype) for p, t in locals_)
         if layout != self._layout:
             self._allocate(locals_)
             self._layout = layout
@@ -73,9 +78,13 @@ class Stager:
     def _allocate(self, leaves: list[tuple[str, torch.Tensor]]) -> None:
         self._buffers = {}
         for path, loc in leaves:
-            self._buffers[path] = torch.empty(
-                loc.shape, dtype=loc.dtype, device="cpu", pin_memory=loc.is_cuda and torch.cuda.is_available()
-            )
+            if loc.device.type == "cpu" and loc.is_contiguous():
+                # Same shape, dtype and (contiguous) layout, at a third of torch.empty's argument parsing.
+                self._buffers[path] = torch.empty_like(loc)
+            else:
+                self._buffers[path] = torch.empty(
+                    loc.shape, dtype=loc.dtype, device="cpu", pin_memory=loc.is_cuda and torch.cuda.is_available()
+                )
         self.allocations += 1
 
     def _rebuild(self, tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
