@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import subprocess
+import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -148,3 +155,41 @@ def example_report(name: str, tmp: Path, label: str, *flags: str) -> dict[str, A
     report = tmp / f"{label}.json"
     assert load_example(name).main([*flags, "--report", str(report)]) == 0
     return dict(json.loads(report.read_text()))
+
+
+def run_cli(*args: str, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """``ckptkeeper ARGS`` through ``ckptkeeper.cli.main``, the function the console script calls, in
+    this process: a fresh interpreter spends seconds importing torch for each command that reads a
+    checkpoint. Returns what ``subprocess.run`` would: the exit code (argparse's exits included),
+    stdout and stderr. stdin is never a terminal, as under ``subprocess.run(input=...)``."""
+    from ckptkeeper.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.chdir(cwd))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        stack.enter_context(mock.patch.object(sys, "stdin", io.StringIO(stdin)))
+        # A handler made here would keep writing to this call's stderr buffer after it is gone.
+        stack.enter_context(mock.patch.object(logging, "basicConfig", lambda **_: None))
+        # Commands quieten loggers and warnings for the rest of their process: here, only for the call.
+        stack.enter_context(warnings.catch_warnings())
+        levels = {
+            name: lg.level for name, lg in logging.Logger.manager.loggerDict.items() if isinstance(lg, logging.Logger)
+        }
+        stack.callback(_restore_levels, levels)
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:  # what the interpreter does with a message: print it, exit 1
+                print(exc.code, file=sys.stderr)
+                code = 1
+    return subprocess.CompletedProcess(["ckptkeeper", *args], code, out.getvalue(), err.getvalue())
+
+
+def _restore_levels(levels: dict[str, int]) -> None:
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger):
+            logger.setLevel(levels.get(name, logging.NOTSET))

@@ -1,4 +1,8 @@
-"""The ``ckptkeeper`` command, run as a user would: a real process, a real crash, a real resume."""
+"""The ``ckptkeeper`` command, run as a user would: a real process, a real crash, a real resume.
+
+Checks of a command's output on a finished run call ``main()`` in this process (``run_cli``): a fresh
+interpreter would spend seconds importing torch for each.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from ..helpers import run_cli
 
 
 def ck(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -60,10 +66,10 @@ def _copy_of(run: Path, tmp_path: Path) -> None:
 def test_ls_table_and_json(tmp_path: Path, finished_run: Path) -> None:
     _copy_of(finished_run, tmp_path)
     (tmp_path / "run" / "step31").mkdir()  # an incomplete leftover
-    table = ck("ls", "run", cwd=tmp_path)
+    table = run_cli("-q", "ls", "run", cwd=tmp_path)
     assert table.returncode == 0
     assert "permanent" in table.stdout and "ephemeral" in table.stdout and "NO" in table.stdout
-    rows = json.loads(ck("ls", "run", "--json", cwd=tmp_path).stdout)
+    rows = json.loads(run_cli("-q", "ls", "run", "--json", cwd=tmp_path).stdout)
     by_step = {row["step"]: row for row in rows}
     assert sorted(by_step) == [0, 10, 20, 28, 30, 31]
     assert by_step[28]["ephemeral"] is True and by_step[30]["ephemeral"] is False
@@ -75,7 +81,7 @@ def test_ls_table_and_json(tmp_path: Path, finished_run: Path) -> None:
 def test_a_finished_folder_says_so_and_exits_zero(tmp_path: Path, finished_run: Path) -> None:
     _copy_of(finished_run, tmp_path)
     before = sorted(os.listdir(tmp_path / "run"))
-    again = ck("train", "--save-folder", "run", "--steps", "25", "--report", "r.json", cwd=tmp_path)
+    again = run_cli("-q", "train", "--save-folder", "run", "--steps", "25", "--report", "r.json", cwd=tmp_path)
     assert again.returncode == 0
     assert "already holds step 30" in again.stdout
     assert sorted(os.listdir(tmp_path / "run")) == before

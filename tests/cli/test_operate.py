@@ -1,5 +1,10 @@
-"""The operations commands through the real ``ckptkeeper`` entry point: ls --verify, inspect,
-verify, rm, prune, cp and export, on local disk and S3, plus --version and -q/-v placement."""
+"""The operations commands through the ``ckptkeeper`` entry point: ls --verify, inspect, verify,
+rm, prune, cp and export, on local disk and S3, plus --version and -q/-v placement.
+
+The commands that import torch (every one that reads a checkpoint) run ``main()`` in this process
+(``run_cli``): a fresh interpreter would spend seconds importing torch for each. ``--version``,
+``--help`` and ``rm`` import no torch and still run as real processes of the console script.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 from ckptkeeper import Checkpointer
 from ckptkeeper.cli import main
 
+from ..helpers import run_cli
 from ..helpers import small_state as _state
 
 
@@ -36,10 +42,10 @@ def test_version_and_verbosity_flags_before_or_after_the_command(tmp_path: Path,
     out = ck("--version", cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("ckptkeeper ")
     for args in (["-q", "ls", str(folder)], ["ls", str(folder), "-q"], ["ls", "-v", str(folder)]):
-        res = ck(*args, cwd=tmp_path)
+        res = run_cli(*args, cwd=tmp_path)
         assert res.returncode == 0, res.stderr
         assert "step" in res.stdout
-    assert ck("-q", "-v", "ls", str(folder), cwd=tmp_path).returncode == 2
+    assert run_cli("-q", "-v", "ls", str(folder), cwd=tmp_path).returncode == 2
 
 
 def test_every_command_has_help_that_lists_its_flags(tmp_path: Path) -> None:
@@ -55,17 +61,17 @@ def test_every_command_has_help_that_lists_its_flags(tmp_path: Path) -> None:
 
 
 def test_verify_passes_then_fails_after_a_flipped_byte(tmp_path: Path, folder: Path) -> None:
-    ok = ck("verify", str(folder), cwd=tmp_path)
+    ok = run_cli("verify", str(folder), cwd=tmp_path)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.count("OK") == 5
     data = folder / "step30" / "model_and_optim" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 1
     data.write_bytes(bytes(raw))
-    bad = ck("verify", str(folder), cwd=tmp_path)
+    bad = run_cli("verify", str(folder), cwd=tmp_path)
     assert bad.returncode == 1
     assert "FAILED" in bad.stdout and "step30" in bad.stdout and bad.stdout.count("OK") == 4
-    assert ck("verify", str(folder / "step40"), cwd=tmp_path).returncode == 0
+    assert run_cli("verify", str(folder / "step40"), cwd=tmp_path).returncode == 0
     assert main(["ls", str(folder), "--verify", "--json"]) == 1
 
 
@@ -84,20 +90,20 @@ def test_rm_removes_the_step_folder(tmp_path: Path, folder: Path) -> None:
 
 def test_prune_dry_run_deletes_nothing_then_prunes_by_the_rules(tmp_path: Path, folder: Path) -> None:
     before = sorted(os.listdir(folder))
-    dry = ck("prune", str(folder), "--keep-last", "1", "--keep-steps", "20", "--dry-run", cwd=tmp_path)
+    dry = run_cli("prune", str(folder), "--keep-last", "1", "--keep-steps", "20", "--dry-run", cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
     assert sorted(os.listdir(folder)) == before
     assert "would remove step 10" in dry.stdout and "would remove step 40" in dry.stdout
     assert "keep    step 50 (newest" in dry.stdout and "keep    step 20 (listed)" in dry.stdout
-    res = ck("prune", str(folder), "--keep-every", "20", "--yes", cwd=tmp_path)
+    res = run_cli("prune", str(folder), "--keep-every", "20", "--yes", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert sorted(os.listdir(folder)) == ["step20", "step40", "step50"]  # 50: the newest always stays
-    none = ck("prune", str(folder), "--yes", cwd=tmp_path)
+    none = run_cli("prune", str(folder), "--yes", cwd=tmp_path)
     assert none.returncode == 1 and "--keep-last" in none.stderr
 
 
 def test_inspect_shows_record_trainer_state_and_tensors(tmp_path: Path, folder: Path) -> None:
-    res = ck("inspect", str(folder / "step30"), "--json", cwd=tmp_path)
+    res = run_cli("inspect", str(folder / "step30"), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout)
     assert info["record"]["step"] == 30 and info["record"]["format"] == "ckptkeeper"
@@ -106,7 +112,7 @@ def test_inspect_shows_record_trainer_state_and_tensors(tmp_path: Path, folder: 
     assert by_name["model.0.weight"] == {"name": "model.0.weight", "shape": [8, 4], "dtype": "float32", "bytes": 128}
     assert "optim.state.0.weight.exp_avg" in by_name
     assert info["total_tensor_bytes"] == sum(t["bytes"] for t in info["tensors"] if t["bytes"])
-    table = ck("inspect", str(folder / "step30"), cwd=tmp_path)
+    table = run_cli("inspect", str(folder / "step30"), cwd=tmp_path)
     assert table.returncode == 0 and "model.0.weight" in table.stdout
 
 
@@ -115,7 +121,7 @@ def test_export_to_safetensors_equals_the_checkpoint_model(tmp_path: Path, folde
     from safetensors.torch import load_file
 
     out = tmp_path / "model.safetensors"
-    res = ck("export", str(folder / "step30"), str(out), *(["--dtype", dtype] if dtype else []), cwd=tmp_path)
+    res = run_cli("export", str(folder / "step30"), str(out), *(["--dtype", dtype] if dtype else []), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     got = load_file(str(out))
     want = _state().model.state_dict()
@@ -130,11 +136,11 @@ def test_export_to_safetensors_equals_the_checkpoint_model(tmp_path: Path, folde
 
 
 def test_cp_local_to_s3_to_local_round_trip_verifies(tmp_path: Path, folder: Path, s3_root: str) -> None:
-    env_ok = ck("cp", str(folder), s3_root, cwd=tmp_path)
+    env_ok = run_cli("cp", str(folder), s3_root, cwd=tmp_path)
     assert env_ok.returncode == 0, env_ok.stderr
     assert env_ok.stdout.count("verified") == 5
     back = tmp_path / "back"
-    res = ck("cp", f"{s3_root}/step30", str(back), cwd=tmp_path)
+    res = run_cli("cp", f"{s3_root}/step30", str(back), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert sorted(os.listdir(back)) == ["step30"]
     assert (back / "step30" / ".metadata.json").read_bytes() == (folder / "step30" / ".metadata.json").read_bytes()
@@ -144,9 +150,9 @@ def test_cp_local_to_s3_to_local_round_trip_verifies(tmp_path: Path, folder: Pat
 
     src = _state()
     assert state_digest(dst.model, dst.optimizer) == state_digest(src.model, src.optimizer)
-    again = ck("cp", f"{s3_root}/step30", str(back), cwd=tmp_path)  # identical: left as it is
+    again = run_cli("cp", f"{s3_root}/step30", str(back), cwd=tmp_path)  # identical: left as it is
     assert again.returncode == 0
-    assert ck("verify", s3_root, cwd=tmp_path).returncode == 0
+    assert run_cli("verify", s3_root, cwd=tmp_path).returncode == 0
 
 
 def test_cp_of_a_corrupt_checkpoint_fails_and_leaves_nothing(tmp_path: Path, folder: Path) -> None:
@@ -265,21 +271,11 @@ def test_prune_keeps_the_best_by_metric_and_the_young(tmp_path: Path) -> None:
     for step, loss in ((1, 0.5), (2, 0.2), (3, 0.9), (4, 0.7)):
         mgr.save(step, metrics={"val_loss": loss}, wait=True)
     mgr.close()
-    out = subprocess.run(
-        [sys.executable, "-m", "ckptkeeper", "prune", folder, "--keep-best", "1", "--metric", "val_loss", "--yes"],
-        capture_output=True,
-        text=True,
-    )
+    out = run_cli("prune", folder, "--keep-best", "1", "--metric", "val_loss", "--yes", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     left = sorted(p.name for p in Path(folder).iterdir() if p.name.startswith("step"))
     assert left == ["step2", "step4"]  # the best, and the newest
-    young = subprocess.run(
-        [sys.executable, "-m", "ckptkeeper", "prune", folder, "--keep-younger-than", "1h", "--dry-run"],
-        capture_output=True,
-        text=True,
-    )
+    young = run_cli("prune", folder, "--keep-younger-than", "1h", "--dry-run", cwd=tmp_path)
     assert young.returncode == 0 and "nothing to remove" in young.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "ckptkeeper", "prune", folder, "--keep-best", "1"], capture_output=True, text=True
-    )
+    bad = run_cli("prune", folder, "--keep-best", "1", cwd=tmp_path)
     assert bad.returncode != 0 and "--metric" in bad.stderr

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ..helpers import EXAMPLES, example_report
+from ..helpers import EXAMPLES, example_report, run_cli
 
 EXAMPLE = EXAMPLES / "plain_loop.py"
 
@@ -60,14 +60,10 @@ def test_saving_at_every_step_leaves_training_bit_identical(tmp_path: Path, mode
 
 def test_the_builtin_trainer_is_just_as_invisible(tmp_path: Path) -> None:
     def train(folder: str, *flags: str) -> str:
+        # In this process, like the example's runs that end normally.
         report = tmp_path / (Path(folder).name + ".json")
-        cmd = [sys.executable, "-m", "ckptkeeper", "train", "--save-folder", folder, "--steps", "12"]
-        out = subprocess.run(
-            [*cmd, "--hidden", "16", *flags, "--report", str(report)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        cmd = ["train", "--save-folder", folder, "--steps", "12", "--hidden", "16", *flags, "--report", str(report)]
+        out = run_cli(*cmd, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         return str(json.loads(report.read_text())["state_digest"])
 

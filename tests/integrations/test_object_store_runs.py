@@ -26,7 +26,7 @@ from ckptkeeper import (
 from ckptkeeper.storage.layout import COMMIT_RECORD
 
 from ..conftest import make_bucket, s3_settings
-from ..helpers import builtin_trainer, run_to_end
+from ..helpers import builtin_trainer, run_cli, run_to_end
 from ..servers import SLOW_DOWN, FaultProxy, MotoServer
 
 ARGS = ["--steps", "16", "--save-interval", "8", "--ephemeral-save-interval", "3", "--hidden", "32"]
@@ -43,7 +43,9 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.
 @pytest.fixture(scope="module")
 def local_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     d = tmp_path_factory.mktemp("local")
-    res = cli("train", "--save-folder", "run", *ARGS, "--report", "r.json", cwd=d)
+    # In this process (the run ends normally; a fresh interpreter would spend seconds importing torch):
+    # the runs it is compared with crash and resume in processes of their own.
+    res = run_cli("-q", "train", "--save-folder", "run", *ARGS, "--report", "r.json", cwd=d)
     assert res.returncode == 0, res.stderr
     digest: str = json.loads((d / "r.json").read_text())["state_digest"]
     return digest
@@ -61,7 +63,7 @@ def test_crash_and_resume_from_a_bucket_matches_the_local_run(
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["start_step"] in (8, 9)
     assert report["state_digest"] == local_digest
-    listing = json.loads(cli("ls", root, "--json", cwd=tmp_path).stdout)
+    listing = json.loads(run_cli("-q", "ls", root, "--json", cwd=tmp_path).stdout)
     assert [(r["step"], r["complete"]) for r in listing] == [(0, True), (8, True), (15, True), (16, True)]
     for r in listing:
         Checkpointer().verify(r["path"])
@@ -73,6 +75,12 @@ def _proxy_env(monkeypatch: pytest.MonkeyPatch, proxy: FaultProxy) -> None:
 
 
 def test_throttling_503_slowdown_is_retried(moto: MotoServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from botocore.retries.standard import ExponentialBackoff
+
+    # botocore waits up to 2**attempt s after a throttle, most of this test's time asleep. How long
+    # is botocore's choice; that the throttled requests are retried is what this test proves.
+    real_delay = ExponentialBackoff.delay_amount
+    monkeypatch.setattr(ExponentialBackoff, "delay_amount", lambda self, context: real_delay(self, context) / 20)
     bucket = make_bucket(moto.url)
     # One request in nine is throttled: enough faults to prove the retries, few enough backoffs to be quick.
     proxy = FaultProxy(moto.port, lambda method, path, n: SLOW_DOWN if n % 9 == 0 else None)
@@ -129,7 +137,8 @@ def test_writer_killed_mid_upload_leaves_nothing_visible(
     assert 8 not in [s for s, _ in ckpt.find_checkpoints(root)]
     assert {i.step: i.complete for i in ckpt.list_checkpoints(root)}[8] is False
     # The next run removes the leftover prefix and resumes from the newest complete checkpoint.
-    res = cli("train", "--save-folder", root, *ARGS, "--report", "r.json", cwd=tmp_path, env=s3_settings(moto.url))
+    # The settings of the next run (no proxy) are this process's environment by now.
+    res = run_cli("-q", "train", "--save-folder", root, *ARGS, "--report", "r.json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["start_step"] == 6
@@ -233,7 +242,7 @@ def test_missing_bucket_is_a_clear_error_before_training(
     with pytest.raises(StorageAccessError, match="bucket 'no-such-bucket-here' does not exist"):
         trainer.fit()
     assert trainer.losses == {}
-    res = cli("train", "--save-folder", root, "--steps", "3", cwd=tmp_path)
+    res = run_cli("-q", "train", "--save-folder", root, "--steps", "3", cwd=tmp_path)
     assert res.returncode == 1 and "does not exist" in res.stderr
 
 

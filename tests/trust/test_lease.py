@@ -17,7 +17,7 @@ import pytest
 from ckptkeeper import Checkpointer, CheckpointerCallback, SaveFolderInUseError, SaveFolderLease, storage_for
 from ckptkeeper.storage.layout import LEASE_FILE
 
-from ..helpers import tiny_trainer
+from ..helpers import run_cli, tiny_trainer
 
 
 def _cb() -> CheckpointerCallback:
@@ -45,15 +45,17 @@ def test_second_trainer_fails_naming_the_holder_and_overwrites_nothing(tmp_path:
 
 
 def test_two_cli_runs_at_once(tmp_path: Path) -> None:
-    args = [sys.executable, "-m", "ckptkeeper", "-q", "train", "--save-folder", "run", "--save-interval", "50"]
+    train = ["-q", "train", "--save-folder", "run", "--save-interval", "50"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    first = subprocess.Popen([*args, "--steps", "100000"], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen([sys.executable, "-m", "ckptkeeper", *train, "--steps", "100000"], cwd=tmp_path, env=env,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.time() + 120
         while not (tmp_path / "run" / LEASE_FILE).exists():
             assert time.time() < deadline and first.poll() is None, "the first run never took the lease"
             time.sleep(0.2)
-        second = subprocess.run([*args, "--steps", "10"], cwd=tmp_path, env=env, capture_output=True, text=True)
+        # The second run in this process: a fresh interpreter would spend seconds importing torch.
+        second = run_cli(*train, "--steps", "10", cwd=tmp_path)
         assert second.returncode == 1
         assert f"pid {first.pid}" in second.stderr and "in use by another run" in second.stderr
         assert "Traceback" not in second.stderr

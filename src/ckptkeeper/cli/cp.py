@@ -30,13 +30,14 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper cp``; returns the exit code."""
+    require_local(args.src)
+    # After the source is checked: the transfer imports torch (seconds).
     from ..engine import discovery
     from ..engine.deleter import clean_save_folder
     from ..engine.lease import SaveFolderLease
     from ..engine.transfer import copy_checkpoint
     from ..storage import parse_step, storage_for
 
-    require_local(args.src)
     src = args.src.rstrip("/")
     if parse_step(src.rsplit("/", 1)[-1]) is not None:
         sources = [src]

@@ -59,12 +59,12 @@ def local_problem(path: str, want_folder: bool = True) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper ls``; returns the exit code."""
-    from ..engine import discovery
-
     problem = local_problem(args.path)
     if problem is not None:
         print(f"ckptkeeper ls: error: {problem}", file=sys.stderr)
         return 1
+    # The engine is imported once the path is known good: a mistyped path fails at once.
+    from ..engine import discovery
     from ..storage import parse_step
 
     if parse_step(args.path.rstrip("/").rsplit("/", 1)[-1]) is not None and not discovery.list_checkpoints(args.path):

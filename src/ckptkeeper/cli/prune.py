@@ -70,9 +70,6 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper prune``; returns the exit code."""
-    from ..engine import discovery
-    from ..engine.deleter import remove_checkpoint
-    from ..engine.lease import SaveFolderLease
     from ..policy import PruneCandidate, PruneRules, plan_prune
 
     if (args.keep_best is None) != (args.metric is None):
@@ -93,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
         keep_younger_than=args.keep_younger_than,
     )
     require_local(args.folder)
+    # The engine is imported once the rules and the folder are known good.
+    from ..engine import discovery
+    from ..engine.deleter import remove_checkpoint
+    from ..engine.lease import SaveFolderLease
+
     infos = discovery.list_checkpoints(args.folder)
     complete = {i.step: i for i in infos if i.complete and i.flavor == "ckptkeeper"}
     plan = plan_prune(

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import ConfigurationError
 from ..policy.config import CheckpointPolicyConfig, RemovalStrategy
 
 __all__ = ["CRASH_EXIT_CODE", "add_parser", "add_policy_arguments", "int_in_range", "policy_settings", "run"]
@@ -132,6 +134,13 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper train``; returns the exit code."""
+    # The settings are checked here, before train_run imports torch (seconds), so that a bad one fails
+    # at once; train_run checks them again as the callback's (the same config, the same message).
+    try:
+        CheckpointPolicyConfig(**policy_settings(args))
+    except ConfigurationError as exc:
+        print(f"ckptkeeper train: error: invalid setting: {exc}", file=sys.stderr)
+        return 2
     from .train_run import run as run_training
 
     return run_training(args)

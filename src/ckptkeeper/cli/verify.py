@@ -40,14 +40,15 @@ def checkpoints_under(path: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper verify``; returns the exit code."""
-    from ..engine import discovery
-
     rows: list[dict[str, Any]] = []
     for path in args.paths:
         problem = local_problem(path)
         if problem is not None:
             rows.append({"path": path, "step": None, "ok": False, "problem": problem, "bytes": 0})
             continue
+        # The engine is imported once a path exists (verifying a folder may import torch).
+        from ..engine import discovery
+
         found = checkpoints_under(path)
         if not found:
             rows.append({"path": path, "step": None, "ok": False, "problem": "no checkpoints here", "bytes": 0})

@@ -25,9 +25,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CkptkeeperError, CorruptCheckpointError
 from ..storage import storage_for
@@ -43,6 +41,10 @@ from .record import (
     loads_bounded,
     record_is_ours,
 )
+
+if TYPE_CHECKING:
+    # Imported where used: listing and ``ckptkeeper ls`` must not pay for importing torch.
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "FLAVOR_CKPTKEEPER",
@@ -340,6 +342,8 @@ def verify(path: str, checksums: bool = True, structure: bool = True) -> CommitR
 
 def verify_structure(path: str, record: CommitRecord) -> None:
     """Decode the small files (after checking their checksums) and check the data file's layout."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from .fastio import parse_layout, saved_from_table
     from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 
@@ -556,6 +560,8 @@ def check_olmo_core(path: str, record: OlmoCoreRecord, where: str | None = None)
     Returns the metadata with DCP's own storage-info entries. Raises UnsafeCheckpointError for a
     pickle asking for anything outside the allow-list, CorruptCheckpointError for anything else.
     """
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
     from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 
     where = where or path
