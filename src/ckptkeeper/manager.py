@@ -744,8 +744,9 @@ class CheckpointManager:
             # Making it invisible is immediate; the files go in the background.
             try:
                 # The checkpointer's deleter thread, not the bookkeeping one: a slow bucket delete
-                # must not hold up retention, user ops or the next removal's visibility.
-                self.checkpointer.remove(path, background=True)
+                # must not hold up retention, user ops or the next removal's visibility. Passed as
+                # run_in_background, the signature a Checkpointer subclass may have overridden.
+                self.checkpointer.remove(path, self.checkpointer.deleter.in_background(path))
             except (CkptkeeperError, OSError) as exc:
                 # Retention is housekeeping: a checkpoint it may not (or cannot) delete is left, never a crash.
                 log.error("not removing %s: %s", path, exc)

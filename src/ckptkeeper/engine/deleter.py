@@ -272,7 +272,12 @@ class Deleter:
         """
         if not background:
             return remove_checkpoint(path)
-        return remove_checkpoint(path, lambda fn: self._submit(path, fn))
+        return remove_checkpoint(path, self.in_background(path))
+
+    def in_background(self, path: str) -> Callable[[Callable[[], Any]], None]:
+        """A ``run_in_background`` for :meth:`Checkpointer.remove` that queues on this deleter's thread
+        (for callers that must go through ``remove(path, run_in_background)``, e.g. a subclass's)."""
+        return lambda fn: self._submit(path, fn)
 
     def _submit(self, path: str, fn: Callable[[], Any]) -> None:
         def run() -> None:

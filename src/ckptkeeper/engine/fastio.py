@@ -91,10 +91,10 @@ _DTYPE_NAMES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.d
 _DTYPE_STR = {d: name for name, d in _DTYPE_NAMES.items()}
 
 
-def tensor_table(tree: Mapping[str, Any]) -> dict[str, list[Any]]:
+def tensor_table(tree: Mapping[str, Any] | Leaves) -> dict[str, list[Any]]:
     """``{fqn: [dtype, shape]}`` of a tree of plain tensors, for the segment table."""
     names = _DTYPE_STR
-    return {fqn: [names.get(v.dtype) or str(v.dtype), list(v.shape)] for fqn, _, v in _leaves(tree)}
+    return {fqn: [names.get(v.dtype) or str(v.dtype), list(v.shape)] for fqn, _, v in walk(tree)}
 
 
 def saved_from_table(table: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -214,10 +214,20 @@ def _chunk_sizes(metadata: Any, index: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _leaves(tree: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]]:
-    """``(dotted name, path, value)`` of every leaf, in order (a list: walked once per use, without
-    a generator frame per nesting level, which cost more than the rest per small tensor)."""
-    out: list[tuple[str, tuple[str, ...], Any]] = []
+Leaves = list[tuple[str, tuple[str, ...], Any]]
+"""A tree walked once (:func:`walk`): ``(dotted name, path, value)`` of every leaf, in order."""
+
+
+def walk(tree: Mapping[str, Any] | Leaves) -> Leaves:
+    """The leaves of ``tree`` (given already walked, returned as they are): a save walks a tree of
+    10,000 tensors once, not once per step that looks at it."""
+    return tree if isinstance(tree, list) else _leaves(tree)
+
+
+def _leaves(tree: Mapping[str, Any]) -> Leaves:
+    """``(dotted name, path, value)`` of every leaf, in order (a list, without a generator frame
+    per nesting level, which cost more than the rest per small tensor)."""
+    out: Leaves = []
     stack: list[tuple[tuple[str, ...], Iterator[tuple[Any, Any]]]] = [((), iter(tree.items()))]
     while stack:
         path, items = stack[-1]
@@ -232,10 +242,10 @@ def _leaves(tree: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]]:
     return out
 
 
-def can_use_fast_path(tree: Mapping[str, Any], loading: bool = False) -> bool:
+def can_use_fast_path(tree: Mapping[str, Any] | Leaves, loading: bool = False) -> bool:
     """Whether every leaf is a plain CPU tensor (no DTensor, no GPU tensor, no other object); to
     load into, also contiguous (its bytes are read straight into its memory)."""
-    for _, _, v in _leaves(tree):
+    for _, _, v in walk(tree):
         if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
             return False
         if v.device.type != "cpu" or v.is_sparse or v.is_quantized:
@@ -365,7 +375,7 @@ def _pwritev_all(fd: int, bufs: list[Any], offset: int) -> None:
 
 
 def write_fast(
-    model_dir: str, tree: Mapping[str, Any], threads: int = 2, sink: Upload | None = None
+    model_dir: str, tree: Mapping[str, Any] | Leaves, threads: int = 2, sink: Upload | None = None
 ) -> tuple[dict[str, FileEntry], list[Segment]]:
     """Write ``tree`` (plain CPU tensors) as a stock DCP checkpoint in ``model_dir``.
 
@@ -375,7 +385,7 @@ def write_fast(
     """
     os.makedirs(model_dir, exist_ok=True)
     with paused_gc():
-        leaves = [(fqn, path, exact(value)) for fqn, path, value in _leaves(tree)]
+        leaves = [(fqn, path, exact(value)) for fqn, path, value in walk(tree)]
     data_path = os.path.join(model_dir, DATA_FILE)
     entry, segments, starts = write_items(data_path, [(f, t) for f, _, t in leaves], threads, sink)
     with paused_gc():

@@ -36,7 +36,16 @@ from ..storage.local import translate_os_error
 from .agreement import agree, unwrap
 from .commit import CommitMethod
 from .discovery import LAYOUT_FILE
-from .fastio import DATA_FILE, TENSORS_KEY, Segment, can_use_fast_path, tensor_table, write_fast, write_synced
+from .fastio import (
+    DATA_FILE,
+    TENSORS_KEY,
+    Segment,
+    can_use_fast_path,
+    tensor_table,
+    walk,
+    write_fast,
+    write_synced,
+)
 from .gcpause import paused_gc
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
@@ -210,9 +219,14 @@ def write_checkpoint(
             my_entries.extend(entries)
             return
         with translate_os_error(work):
-            fast = world == 1 and settings.writer == "auto" and can_use_fast_path(tensors)
-            upload = sink(f"{MODEL_DIR}/{DATA_FILE}") if fast else None
-            out = _write_tensors(settings, os.path.join(work, MODEL_DIR), tensors, world, fast, upload)
+            leaves = walk(tensors) if world == 1 and settings.writer == "auto" else None
+            model_dir = os.path.join(work, MODEL_DIR)
+            out: tuple[dict[str, FileEntry], list[Segment]] | None = None
+            if leaves is not None and can_use_fast_path(leaves):
+                upload = sink(f"{MODEL_DIR}/{DATA_FILE}")
+                out = write_fast(model_dir, leaves, threads=settings.io_threads, sink=upload)
+            else:
+                _write_with_dcp(settings, model_dir, tensors, world)
         if out is not None:
             fast_files, segments = out
             written.update({f"{MODEL_DIR}/{k}": v for k, v in fast_files.items()})
@@ -221,7 +235,7 @@ def write_checkpoint(
             # Shapes and dtypes ride along, so loads need not decode DCP's metadata (10,000
             # pickled entries cost more than reading the tensors); DCP's .metadata is for DCP.
             with paused_gc():
-                table = {f"{MODEL_DIR}/{DATA_FILE}": segments, TENSORS_KEY: tensor_table(tensors)}
+                table = {f"{MODEL_DIR}/{DATA_FILE}": segments, TENSORS_KEY: tensor_table(leaves or tensors)}
                 encoded = json.dumps(table).encode()
             with translate_os_error(work):
                 storage_for(work).write_bytes(os.path.join(work, LAYOUT_FILE), encoded)
@@ -313,18 +327,8 @@ def write_checkpoint(
     return SaveResult(step, final, ephemeral, total, elapsed, elapsed, len(files), retries)
 
 
-def _write_tensors(
-    settings: SaveSettings,
-    model_dir: str,
-    tensors: Mapping[str, Any],
-    world: int,
-    fast: bool,
-    sink: Upload | None = None,
-) -> tuple[dict[str, FileEntry], list[Segment]] | None:
-    """Write the tensor tree in DCP format (the fast writer when ``fast``); returns (files, layout)
-    when the fast writer wrote it."""
-    if fast:
-        return write_fast(model_dir, tensors, threads=settings.io_threads, sink=sink)
+def _write_with_dcp(settings: SaveSettings, model_dir: str, tensors: Mapping[str, Any], world: int) -> None:
+    """Write the tensor tree with DCP's own writer (what the fast writer does not take)."""
     with quiet_dcp():
         dcp_save(
             dict(tensors),
@@ -332,7 +336,6 @@ def _write_tensors(
             process_group=settings.process_group,
             no_dist=world == 1,
         )
-    return None
 
 
 def _hash_own_files(work: str, rank: int, world: int, skip: set[str] | None = None) -> dict[str, FileEntry]:
