@@ -747,7 +747,7 @@ def read_fast(
                 for k, run in enumerate(runs):
                     # A window of runs asked for ahead: all of it at first, then the run entering it.
                     for upcoming in runs[: _READ_AHEAD_RUNS + 1] if k == 0 else runs[k + _READ_AHEAD_RUNS :][:1]:
-                        _will_need(fd, upcoming)
+                        pool.submit(_will_need, fd, upcoming)  # it may block while it queues the reads
                     check_run(run, read_run(run))
             except BaseException as failed:  # raised once every reader has stopped writing
                 error = failed
