@@ -642,12 +642,15 @@ def read_fast(
     verify: bool = True,
     threads: int = 2,
     before_write: Callable[[str, int, int], None] | None = None,
+    back_up_whole: Callable[[list[str]], None] | None = None,
 ) -> None:
     """Fill the tensors of ``tree`` in place from a checkpoint written by :func:`write_fast`.
 
     ``by_fqn`` is :func:`parse_layout`'s result. Each tensor's bytes are read straight into it
     (several tensors at once, largest first); ``before_write(fqn, start, length)`` is called just
-    before each piece of a tensor is written (the loader backs it up there). With ``verify`` every segment's
+    before each piece of a tensor is written (the loader backs it up there); with
+    ``back_up_whole(names)`` runs of small tensors are backed up by it instead, a run at a time,
+    on a thread of its own one run ahead of the reads. With ``verify`` every segment's
     checksum is checked on the way and a mismatch raises CorruptCheckpointError naming the file
     and tensor.
     """
@@ -701,7 +704,7 @@ def read_fast(
             bufs: list[memoryview] = []
             for fqn, dest, segs in run:
                 data = segs["data"]
-                if data.length and before_write is not None:
+                if data.length and before_write is not None and back_up_whole is None:
                     before_write(fqn, 0, data.length)
                 bufs += (memoryview(bytearray(segs["head"].length)), _bytes_of(dest),
                          memoryview(bytearray(segs["tail"].length)))  # fmt: skip
@@ -743,14 +746,24 @@ def read_fast(
             # their work is Python per tensor, and reader threads taking turns with it over the
             # GIL (each short copy or read giving it up and waiting to get it back) was slower.
             error: BaseException | None = None
+            backups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-backup")
             try:
+                backed: Future[None] | None = None
+                if back_up_whole is not None and runs:
+                    backed = backups.submit(back_up_whole, [j[0] for j in runs[0]])
                 for k, run in enumerate(runs):
                     # A window of runs asked for ahead: all of it at first, then the run entering it.
                     for upcoming in runs[: _READ_AHEAD_RUNS + 1] if k == 0 else runs[k + _READ_AHEAD_RUNS :][:1]:
                         pool.submit(_will_need, fd, upcoming)  # it may block while it queues the reads
+                    if backed is not None and back_up_whole is not None:
+                        backed.result()  # this run is backed up; the next one's backup runs beside its read
+                        nxt = runs[k + 1] if k + 1 < len(runs) else None
+                        backed = backups.submit(back_up_whole, [j[0] for j in nxt]) if nxt is not None else None
                     check_run(run, read_run(run))
             except BaseException as failed:  # raised once every reader has stopped writing
                 error = failed
+            finally:
+                backups.shutdown(wait=True)
             for fut in futures:
                 exc = fut.exception()
                 error = error or exc

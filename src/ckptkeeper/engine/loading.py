@@ -277,7 +277,8 @@ def _load_verified(
     try:
         if mode == "single":
             read_fast(os.path.join(local, MODEL_DIR), plan.tensors, prep["by_fqn"], verify=ck.verify_checksums,
-                      threads=ck.read_threads, before_write=before_write)  # fmt: skip
+                      threads=ck.read_threads, before_write=before_write,
+                      back_up_whole=guard.back_up_whole if guard is not None else None)  # fmt: skip
         elif mode == "pieces":
             source: Source
             if remote is not None:
