@@ -15,6 +15,7 @@ layers over this class, so there is one implementation of resume, fallback, sche
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import signal
@@ -746,7 +747,10 @@ class CheckpointManager:
                 # The checkpointer's deleter thread, not the bookkeeping one: a slow bucket delete
                 # must not hold up retention, user ops or the next removal's visibility. Passed as
                 # run_in_background, the signature a Checkpointer subclass may have overridden.
-                self.checkpointer.remove(path, self.checkpointer.deleter.in_background(path))
+                if _takes_hook(self.checkpointer.remove):
+                    self.checkpointer.remove(path, self.checkpointer.deleter.in_background(path))
+                else:
+                    self.checkpointer.remove(path)  # a subclass's own remove(path): runs as it is
             except (CkptkeeperError, OSError) as exc:
                 # Retention is housekeeping: a checkpoint it may not (or cannot) delete is left, never a crash.
                 log.error("not removing %s: %s", path, exc)
@@ -926,3 +930,12 @@ def _training_state(
     model: nn.Module, optimizer: Optimizer | None, extra: Mapping[str, Stateful] | None, strict: bool
 ) -> TrainingState:
     return TrainingState(model, optimizer, extra, strict=strict)
+
+
+def _takes_hook(remove: Callable[..., Any]) -> bool:
+    """Whether ``remove`` accepts ``run_in_background`` (a subclass may override it as remove(path))."""
+    try:
+        params = list(inspect.signature(remove).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)

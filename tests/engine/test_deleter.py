@@ -211,3 +211,31 @@ def test_a_second_remover_arriving_late_leaves_the_first_ones_work_alone(
     second.remove(folder, background=True)
     assert second.wait_for_removals() == []
     assert (tmp_path / "step1" / "eval_results.json").read_text() == "{}"
+
+
+class _OldRemove(Checkpointer):
+    """A subclass written against remove(path) alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.removed: list[str] = []
+
+    def remove(self, path: str) -> None:  # type: ignore[override]
+        self.removed.append(os.path.basename(path))
+        super().remove(path)
+
+
+def test_a_subclass_overriding_remove_with_the_path_alone_still_removes(tmp_path: Path) -> None:
+    # Found by an outside attack: the manager passed the background hook to it and crashed training.
+    cfg = CheckpointPolicyConfig(
+        save_interval=100, ephemeral_save_interval=1, pre_train_checkpoint=False, save_async=False
+    )
+    ckpt = _OldRemove()
+    mgr = CheckpointManager(str(tmp_path), model=nn.Linear(2, 2), config=cfg, checkpointer=ckpt)
+    mgr.restore()
+    for step in range(1, 4):
+        mgr.save_if_due(step)
+    mgr.close(final_save=False)
+    assert ckpt.removed and ckpt.removed == sorted(ckpt.removed)  # superseded ones, oldest first
+    left = sorted(p for p in os.listdir(tmp_path) if p.startswith("step"))
+    assert not set(left) & set(ckpt.removed) and "step3" in left

@@ -268,3 +268,41 @@ def test_a_table_naming_an_unsaveable_tensor_is_corrupt_not_a_crash(
     with pytest.raises(CkptkeeperError):  # corrupt, or not fitting: a clear error either way
         Checkpointer().load(str(folder), _FixedState(dest))
     assert torch.equal(dest["model"]["a"], torch.zeros(4))
+
+
+class _Extra:
+    def __init__(self, sd: dict[str, Any]) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("writer", ["auto", "dcp"])
+def test_two_keys_saved_under_one_name_are_refused_at_save_time(tmp_path: Path, writer: str) -> None:
+    # Found by an outside attack: the fast writer committed a checkpoint whose two tensors had one
+    # name, which no load could ever read (DCP's own writer refuses such a save).
+    from ckptkeeper import CheckpointSaveError, TrainingState
+
+    extra = _Extra({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}})
+    with pytest.raises(CheckpointSaveError, match=r"a\.b"):
+        Checkpointer(writer=writer).save(str(tmp_path), 1, TrainingState(torch.nn.Linear(2, 2), extra={"x": extra}))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("step")]
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_a_tensor_subclass_is_refused_at_save_time_not_after(tmp_path: Path) -> None:
+    # Found by an outside attack: DCP pickled the subclass, the checkpoint verified, and every load
+    # (pickle-free) refused it.
+    from ckptkeeper import CheckpointSaveError, TrainingState
+
+    extra = _Extra({"a": {"b": torch.arange(4.0).as_subclass(_Sub)}})
+    with pytest.raises(CheckpointSaveError, match="tensor subclass"):
+        Checkpointer().save(str(tmp_path), 1, TrainingState(torch.nn.Linear(2, 2), extra={"x": extra}))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("step")]

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CorruptCheckpointError
+from ..errors import ConfigurationError, CorruptCheckpointError
 from ..storage.base import Upload
 from .gcpause import paused_gc
 from .record import FileEntry, new_hasher
@@ -224,6 +224,37 @@ def walk(tree: Mapping[str, Any] | Leaves) -> Leaves:
     return tree if isinstance(tree, list) else _leaves(tree)
 
 
+def check_names(leaves: Leaves) -> None:
+    """ConfigurationError when two leaves flatten to one dotted name (``{"a.b": x, "a": {"b": y}}``,
+    or keys 1 and "1"): DCP's format names each tensor once, so one of them could never be loaded."""
+    if len({fqn for fqn, _, _ in leaves}) == len(leaves):
+        return
+    seen: dict[str, tuple[str, ...]] = {}
+    for fqn, path, _ in leaves:
+        if fqn in seen:
+            raise ConfigurationError(
+                f"two entries of the state are both saved as {fqn[:200]!r} (keys {list(seen[fqn])} and "
+                f"{list(path)}): rename one, so that no two keys join with '.' to the same name"
+            )
+        seen[fqn] = path
+
+
+def check_plain(tree: Mapping[str, Any] | Leaves) -> None:
+    """ConfigurationError for a tensor subclass DCP does not know: it would pickle its
+    class, which loads (pickle-free by design) then refuse, so the checkpoint could never be loaded."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    # The tensor types DCP stores without pickling them (ShardedTensor: FSDP1's state dicts).
+    native = (torch.Tensor, torch.nn.Parameter, DTensor, ShardedTensor)
+    for fqn, _, value in walk(tree):
+        if isinstance(value, torch.Tensor) and type(value) not in native:
+            raise ConfigurationError(
+                f"{fqn[:200]!r} is a {type(value).__name__} (a tensor subclass), which cannot be saved without "
+                "pickling its class; save a plain tensor instead (value.as_subclass(torch.Tensor))"
+            )
+
+
 def _leaves(tree: Mapping[str, Any]) -> Leaves:
     """``(dotted name, path, value)`` of every leaf, in order (a list, without a generator frame
     per nesting level, which cost more than the rest per small tensor)."""
@@ -386,6 +417,7 @@ def write_fast(
     os.makedirs(model_dir, exist_ok=True)
     with paused_gc():
         leaves = [(fqn, path, exact(value)) for fqn, path, value in walk(tree)]
+        check_names(leaves)
     data_path = os.path.join(model_dir, DATA_FILE)
     entry, segments, starts = write_items(data_path, [(f, t) for f, _, t in leaves], threads, sink)
     with paused_gc():

@@ -16,6 +16,7 @@ The order of a load:
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, load
 from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 from .staging import Stager
 from .state import CheckpointMismatchError, SavedTensor, flatten_tensors
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointMismatchError",
@@ -259,12 +262,19 @@ class Rollback:
                 self._saved[name] = -1
 
     def restore(self) -> None:
-        """Put every backed-up byte back as it was before the load."""
+        """Put every backed-up byte back as it was before the load.
+
+        Never raises: it runs while the load's own error is on its way up, which must not be
+        masked. A tensor that cannot be put back (torch refusing the copy) is logged by name.
+        """
         with self._lock:
             saved = dict(self._saved)
         for name, upto in saved.items():
-            dest = _local(self._leaves[name])
-            if upto < 0:
-                dest.detach().copy_(self._buffers[name])
-            elif upto:
-                self._bytes(dest)[:upto].copy_(self._bytes(self._buffers[name])[:upto])
+            try:
+                dest = _local(self._leaves[name])
+                if upto < 0:
+                    dest.detach().copy_(self._buffers[name])
+                elif upto:
+                    self._bytes(dest)[:upto].copy_(self._bytes(self._buffers[name])[:upto])
+            except Exception as exc:
+                log.error("a failed load could not put %s back as it was: %s", name, exc)

@@ -41,6 +41,7 @@ from .fastio import (
     TENSORS_KEY,
     Segment,
     can_use_fast_path,
+    check_plain,
     tensor_table,
     walk,
     write_fast,
@@ -226,6 +227,7 @@ def write_checkpoint(
                 upload = sink(f"{MODEL_DIR}/{DATA_FILE}")
                 out = write_fast(model_dir, leaves, threads=settings.io_threads, sink=upload)
             else:
+                check_plain(tensors)
                 _write_with_dcp(settings, model_dir, tensors, world)
         if out is not None:
             fast_files, segments = out

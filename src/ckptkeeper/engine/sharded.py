@@ -61,6 +61,7 @@ from .fastio import (
     Segment,
     _bytes_of,
     _leaves,
+    check_names,
     exact,
     fetch_and_place,
     parse_layout,
@@ -187,7 +188,9 @@ def local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[P
     so it must be the same list everywhere.
     """
     regions = []
-    for fqn, path, value in _leaves(tree):
+    leaves = _leaves(tree)
+    check_names(leaves)
+    for fqn, path, value in leaves:
         region = _region(value, world)
         if region is None or not _usable(region[0]):
             return None
