@@ -334,8 +334,8 @@ class Checkpointer:
     def wait_for_removals(self) -> list[tuple[str, Exception]]:
         """Block until queued deletions are done; returns the (path, error) of those that failed.
 
-        A failed deletion leaves only files no listing shows (the checkpoint was already invisible);
-        opening the save folder again cleans them up.
+        The checkpoint was already invisible; each error says what was left and what cleans it up
+        (trash and intent-announced objects: the next run that opens the save folder).
         """
         return self.deleter.wait()
 

@@ -256,7 +256,12 @@ class Rollback:
                 done.append(name)
         if dst:
             with torch.no_grad():
-                torch._foreach_copy_(dst, src)
+                bulk = getattr(torch, "_foreach_copy_", None)  # one C++ loop; private, so not relied on
+                if bulk is not None:
+                    bulk(dst, src)
+                else:
+                    for d, s in zip(dst, src, strict=True):
+                        d.copy_(s)
         with self._lock:
             for name in done:
                 self._saved[name] = -1
