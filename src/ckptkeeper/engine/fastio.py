@@ -625,12 +625,7 @@ def fetch_and_place(
 
 def pread_full(fd: int, view: memoryview, offset: int, where: str) -> None:
     """Fill ``view`` from ``fd`` at ``offset``; CorruptCheckpointError naming ``where`` if the file ends early."""
-    pos = 0
-    while pos < len(view):
-        n = os.preadv(fd, [view[pos:]], offset + pos)
-        if n == 0:
-            raise CorruptCheckpointError(f"{where} ends early (truncated file)")
-        pos += n
+    preadv_full(fd, [view], offset, where)
 
 
 def preadv_full(fd: int, bufs: list[memoryview], offset: int, where: str) -> None:
@@ -650,6 +645,14 @@ def preadv_full(fd: int, bufs: list[memoryview], offset: int, where: str) -> Non
             i += 1
         if n:
             bufs[i] = bufs[i][n:]
+
+
+def segment_mismatch(where: str, fqn: str, kind: str, got: str, want: str) -> CorruptCheckpointError:
+    """The error for a segment whose bytes do not have the checksum the checkpoint gives."""
+    return CorruptCheckpointError(
+        f"{where} is corrupt: the bytes of {fqn} ({kind}) have checksum {got}, the checkpoint says {want}; "
+        "load an earlier checkpoint or restore this one from a copy"
+    )
 
 
 def _preadinto(
@@ -724,10 +727,7 @@ def read_fast(
                 else:
                     _preadinto(fd, memoryview(bytearray(seg.length)), seg.offset, h, where)
                 if verify and h.hexdigest() != seg.xxh3_64:
-                    raise CorruptCheckpointError(
-                        f"{where} is corrupt: the bytes of {fqn} ({kind}) have checksum {h.hexdigest()}, the "
-                        f"checkpoint says {seg.xxh3_64}; load an earlier checkpoint or restore this one from a copy"
-                    )
+                    raise segment_mismatch(where, fqn, kind, h.hexdigest(), seg.xxh3_64)
 
         def read_run(run: list[tuple[str, torch.Tensor, Mapping[str, Segment]]]) -> list[memoryview]:
             # Many small tensors: one scatter read of their whole span, each tensor's bytes straight
@@ -751,11 +751,7 @@ def read_fast(
                 for k, kind in enumerate(("head", "data", "tail")):
                     got = xxhash.xxh3_64_hexdigest(bufs[3 * i + k])
                     if got != segs[kind].xxh3_64:
-                        raise CorruptCheckpointError(
-                            f"{where} is corrupt: the bytes of {fqn} ({kind}) have checksum {got}, "
-                            f"the checkpoint says {segs[kind].xxh3_64}; load an earlier checkpoint or restore "
-                            "this one from a copy"
-                        )
+                        raise segment_mismatch(where, fqn, kind, got, segs[kind].xxh3_64)
 
         small = sorted((j for j in jobs if j[2]["data"].length < _SMALL_PIECE), key=lambda j: j[2]["head"].offset)
         runs: list[list[tuple[str, torch.Tensor, Mapping[str, Segment]]]] = []

@@ -67,6 +67,7 @@ from .fastio import (
     parse_layout,
     pread_full,
     saved_from_table,
+    segment_mismatch,
     skeleton_sums,
     write_items,
     write_synced,
@@ -489,10 +490,7 @@ def plan_reads(
 def _check(where: str, read: _Read, kind: str, view: memoryview) -> None:
     got = xxhash.xxh3_64_hexdigest(view)
     if got != read.segs[kind].xxh3_64:
-        raise CorruptCheckpointError(
-            f"{where}/{read.file} is corrupt: the bytes of {read.fqn} ({kind}) have checksum {got}, the "
-            f"checkpoint says {read.segs[kind].xxh3_64}; load an earlier checkpoint or restore this one from a copy"
-        )
+        raise segment_mismatch(f"{where}/{read.file}", read.fqn, kind, got, read.segs[kind].xxh3_64)
 
 
 def _copy_overlap(read: _Read, data: memoryview) -> None:
