@@ -51,6 +51,7 @@ from ..errors import ConfigurationError, CorruptCheckpointError
 from ..storage.base import Upload
 from .gcpause import paused_gc
 from .record import FileEntry, new_hasher
+from .state import SavedTensor
 
 __all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "parse_layout", "read_fast", "write_fast"]
 
@@ -82,7 +83,7 @@ class Segment(NamedTuple):
         return list(self)
 
 
-_new_segment = tuple.__new__  # Segment(*row) through NamedTuple's __new__ is five times slower
+_new_segment = _new_saved = tuple.__new__  # Segment(*row) through NamedTuple's __new__ is five times slower
 
 TENSORS_KEY = "tensors"
 """The segment table's entry giving each tensor's dtype and shape: ``{fqn: [dtype, shape]}``."""
@@ -98,17 +99,29 @@ def tensor_table(tree: Mapping[str, Any] | Leaves) -> dict[str, list[Any]]:
 
 
 def saved_from_table(table: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The segment table's tensors as ``{fqn: (shape, dtype)}``; ValueError when malformed."""
+    """The segment table's tensors as ``{fqn: (shape, dtype)}``; ValueError when malformed.
+
+    The values are :class:`~ckptkeeper.engine.state.SavedTensor` tuples (a load uses the table as is).
+    """
     if not isinstance(table, dict):
         raise ValueError("the segment table's tensor list is not a table")
-    out = {}
+    out: dict[str, Any] = {}
+    # Checked once per distinct dtype and shape (a model repeats a few shapes thousands of times).
+    known: dict[tuple[Any, ...], Any] = {}
     for fqn, entry in table.items():
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list) and len(entry[1]) <= 64):
+        if type(entry) is not list or len(entry) != 2 or type(entry[1]) is not list or len(entry[1]) > 64:
             raise ValueError(f"the segment table's entry for {fqn[:80]!r} is not [dtype, shape]")
-        dtype = _DTYPE_NAMES.get(entry[0]) if isinstance(entry[0], str) else None
-        if dtype is None or not all(type(n) is int and 0 <= n < 1 << 52 for n in entry[1]):
-            raise ValueError(f"the segment table's entry for {fqn[:80]!r} has no valid dtype and shape")
-        out[fqn] = (tuple(entry[1]), dtype)
+        key = (entry[0], *entry[1], *map(type, entry[1]))  # the types too: 1.0 and True hash as 1
+        try:
+            found = known.get(key)
+        except TypeError:  # an unhashable dtype or size: caught as invalid below
+            found = None
+        if found is None:
+            dtype = _DTYPE_NAMES.get(entry[0]) if isinstance(entry[0], str) else None
+            if dtype is None or not all(type(n) is int and 0 <= n < 1 << 52 for n in entry[1]):
+                raise ValueError(f"the segment table's entry for {fqn[:80]!r} has no valid dtype and shape")
+            found = known[key] = _new_saved(SavedTensor, (tuple(entry[1]), dtype))
+        out[fqn] = found
     return out
 
 
@@ -277,9 +290,10 @@ def can_use_fast_path(tree: Mapping[str, Any] | Leaves, loading: bool = False) -
     """Whether every leaf is a plain CPU tensor (no DTensor, no GPU tensor, no other object); to
     load into, also contiguous (its bytes are read straight into its memory)."""
     for _, _, v in walk(tree):
+        # Cheap properties only (``v.device`` makes an object per call): this runs per tensor per load.
         if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
             return False
-        if v.device.type != "cpu" or v.is_sparse or v.is_quantized:
+        if not v.is_cpu or v.is_sparse or v.is_quantized or v.is_mkldnn:
             return False
         if loading and (not v.is_contiguous() or v.is_conj() or v.is_neg()):
             return False
@@ -350,6 +364,24 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
     arr._tensor = t  # type: ignore[attr-defined]  # the view owns the array, the array the tensor
     return memoryview(arr).cast("B")
+
+
+_PyBUF_WRITE = 0x200
+_memory_view = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi)
+)
+
+
+def _borrowed_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory that does not keep the tensor alive.
+
+    For the per-tensor loops of a save or load, where the caller holds every tensor until the last
+    use of its view: a third of :func:`_bytes_of`'s cost (no ctypes array object, no attribute
+    set on it), which is most of the per-tensor time a load of 10,000 small tensors spends outside
+    its reads. The caller has checked that ``t`` is contiguous and on the CPU.
+    """
+    n = t.nbytes
+    return _memory_view(t.data_ptr(), n, _PyBUF_WRITE) if n else memoryview(bytearray())
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -468,7 +500,7 @@ def write_items(
         offset = 0
         for fqn, t in tensors:
             head, tail, head_sum, tail_sum = _skeleton(t)
-            data = _bytes_of(t)
+            data = _borrowed_view(t)  # ``tensors`` holds t until the writes are done
             items.append((fqn, head, data, tail, offset, head_sum, tail_sum))
             offset += len(head) + len(data) + len(tail)
         total = offset
@@ -488,26 +520,13 @@ def write_items(
         def write_job(job: tuple[int, list[Any]]) -> None:
             _pwritev_all(fd, job[1], job[0])
 
-        data_sums: list[str] = []
         whole = new_hasher()
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-write") as pool:
             pending = [pool.submit(write_job, j) for j in jobs]
-            # Hash while the writers run: one sequential pass over the same memory, GIL released.
-            # Only strings are made here (the segments after): this loop lasts as long as the
-            # writes, when the collector is not paused (see gcpause).
-            for _, head, data, tail, _, _, _ in items:
-                whole.update(head)
-                if len(data) <= _CHUNK:
-                    data_sum = xxhash.xxh3_64_hexdigest(data)
-                    whole.update(data)
-                else:
-                    h = new_hasher()
-                    for i in range(0, len(data), _CHUNK):
-                        h.update(data[i : i + _CHUNK])
-                        whole.update(data[i : i + _CHUNK])
-                    data_sum = h.hexdigest()
-                whole.update(tail)
-                data_sums.append(data_sum)
+            # Hash while the writers run (xxhash releases the GIL), each call made from C through
+            # map: a Python loop of four calls per tensor cost more than hashing a small tensor.
+            data_sums = list(map(xxhash.xxh3_64_hexdigest, (it[2] for it in items)))
+            deque(map(whole.update, (b for it in items for b in it[1:4])), maxlen=0)
             for fut in pending:
                 fut.result()
         os.fsync(fd)
@@ -695,8 +714,8 @@ def read_fast(
         segs = by_fqn.get(fqn)
         if segs is None:
             raise KeyError(f"the checkpoint has no tensor {fqn!r}")
-        want = dest.numel() * dest.element_size()
-        if segs["data"].length != want or not dest.is_contiguous() or dest.device.type != "cpu":
+        want = dest.nbytes
+        if segs["data"].length != want or not dest.is_contiguous() or not dest.is_cpu:
             raise ValueError(f"{fqn}: {segs['data'].length} bytes saved, destination holds {want}")
         jobs.append((fqn, dest, segs))
     # Destinations whose memory overlaps another's (tied weights, views of one buffer) are not
@@ -734,11 +753,11 @@ def read_fast(
             # into it and the headers into scratch (a read per header was most of the cost, and a
             # copy through a buffer one more pass over memory). Each tensor is backed up first.
             bufs: list[memoryview] = []
+            backup = before_write if back_up_whole is None else None
             for fqn, dest, segs in run:
-                data = segs["data"]
-                if data.length and before_write is not None and back_up_whole is None:
-                    before_write(fqn, 0, data.length)
-                bufs += (memoryview(bytearray(segs["head"].length)), _bytes_of(dest),
+                if backup is not None and dest.nbytes:
+                    backup(fqn, 0, dest.nbytes)
+                bufs += (memoryview(bytearray(segs["head"].length)), _borrowed_view(dest),
                          memoryview(bytearray(segs["tail"].length)))  # fmt: skip
             preadv_full(fd, list(bufs), run[0][2]["head"].offset, where)
             return bufs
@@ -747,11 +766,15 @@ def read_fast(
             # A mismatch raises; the loader then puts the tensors back from their backups.
             if not verify:
                 return
+            # Every checksum of the run in one C-level pass; the culprit is looked for only on a mismatch.
+            wants = [seg.xxh3_64 for _, _, segs in run for seg in (segs["head"], segs["data"], segs["tail"])]
+            got = list(map(xxhash.xxh3_64_hexdigest, bufs))
+            if got == wants:
+                return
             for i, (fqn, _, segs) in enumerate(run):
                 for k, kind in enumerate(("head", "data", "tail")):
-                    got = xxhash.xxh3_64_hexdigest(bufs[3 * i + k])
-                    if got != segs[kind].xxh3_64:
-                        raise segment_mismatch(where, fqn, kind, got, segs[kind].xxh3_64)
+                    if got[3 * i + k] != segs[kind].xxh3_64:
+                        raise segment_mismatch(where, fqn, kind, got[3 * i + k], segs[kind].xxh3_64)
 
         small = sorted((j for j in jobs if j[2]["data"].length < _SMALL_PIECE), key=lambda j: j[2]["head"].offset)
         runs: list[list[tuple[str, torch.Tensor, Mapping[str, Segment]]]] = []

@@ -185,18 +185,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Rollback:
     """Backs up destination tensors just before they are overwritten, and puts them back on failure.
 
-    The backup lives in a :class:`Stager`'s buffers (the ones async saves reuse, so a load costs no
-    memory a save would not). With ``incremental`` the reader backs up each piece of a tensor just
-    before it reads into it (:meth:`before_write` with a byte range), so the copies (memory speed)
-    spread over the reader threads and overlap with the reads (disk speed) instead of standing in
-    front of them. Without it, everything is copied at once, up front.
+    The backup lives in a :class:`Stager`'s buffers when the stager already holds buffers for this
+    layout (the ones async saves reuse, so a load costs no memory a save would not); otherwise it
+    is made as tensors are backed up, never more than the tensors' own bytes. With
+    ``incremental`` the reader backs up each piece of a tensor just before it reads into it
+    (:meth:`before_write` with a byte range), so the copies (memory speed) spread over the reader
+    threads and overlap with the reads (disk speed) instead of standing in front of them, and runs
+    of small tensors a run at a time (:meth:`back_up_whole`). Without it, everything is copied at
+    once, up front.
     """
 
     def __init__(self, stager: Stager, tensors: Mapping[str, Any], incremental: bool = False) -> None:
         leaves = list(flatten_tensors(tensors))
         self._leaves = dict(leaves)
         locals_ = [(name, _local(t)) for name, t in leaves]
-        self._buffers = stager.buffers_for_locals(locals_)
+        # Allocating a buffer per tensor up front was a sixth of a 10,000-tensor load: without
+        # ready stager buffers, backups are made when taken (runs of small tensors in one block).
+        self._buffers = stager.existing_buffers_for_locals(locals_) or {}
+        self._blocks: list[tuple[list[str], torch.Tensor]] = []  # (names, one block holding their bytes)
         self._saved: dict[str, int] = {}  # bytes backed up from the start of each tensor
         self._lock = threading.Lock()
         by_storage: dict[int, list[str]] = {}
@@ -206,10 +212,18 @@ class Rollback:
         # Tensors that share memory (tied weights) are backed up up front: backed up one at a
         # time, the second copy would be taken after the first name's load had overwritten it.
         shared = {n for names in by_storage.values() if len(names) > 1 for n in names}
-        for name, t in self._leaves.items():
-            if not incremental or name in shared:
-                self._buffers[name].copy_(_local(t).detach())
-                self._saved[name] = -1  # the whole tensor
+        with torch.no_grad():
+            for name, t in self._leaves.items():
+                if not incremental or name in shared:
+                    self._buffer(name).copy_(_local(t).detach())
+                    self._saved[name] = -1  # the whole tensor
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None:
+            # Same shape, dtype and strides as the tensor, so bytes and elements line up.
+            buf = self._buffers[name] = torch.empty_like(_local(self._leaves[name]), device="cpu")
+        return buf
 
     @staticmethod
     def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -229,42 +243,48 @@ class Rollback:
             # bytes. Both are contiguous with the same layout (the buffer was made like the tensor).
             if start + length > src.numel() * src.element_size():
                 raise ValueError(f"{name}: bytes {start}..{start + length} are outside the tensor")
-            _memmove_holding_gil(self._buffers[name].data_ptr() + start, src.data_ptr() + start, length)
+            _memmove_holding_gil(self._buffer(name).data_ptr() + start, src.data_ptr() + start, length)
         elif length:
             src = self._bytes(_local(self._leaves[name]))
-            self._bytes(self._buffers[name])[start : start + length].copy_(src[start : start + length])
+            self._bytes(self._buffer(name))[start : start + length].copy_(src[start : start + length])
         with self._lock:
             self._saved[name] = start + length
 
     def back_up_whole(self, names: list[str]) -> None:
-        """Back up these whole tensors, in one bulk copy that runs without the GIL.
+        """Back up these whole tensors, in bulk copies that run without the GIL.
 
         For runs of small tensors about to be read: one call per run instead of one per tensor,
         and the copying can run beside the reader (which holds the GIL for its per-tensor work).
         Tensors already backed up, unguarded or empty are skipped.
         """
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        done: list[str] = []
+        by_dtype: dict[torch.dtype, tuple[list[str], list[torch.Tensor]]] = {}
         for name in names:
             if name not in self._leaves or self._saved.get(name) == -1:
                 continue
             t = _local(self._leaves[name])
             if t.numel():
-                dst.append(self._buffers[name])
-                src.append(t)
-                done.append(name)
-        if dst:
-            with torch.no_grad():
-                bulk = getattr(torch, "_foreach_copy_", None)  # one C++ loop; private, so not relied on
-                if bulk is not None:
-                    bulk(dst, src)
+                group = by_dtype.setdefault(t.dtype, ([], []))
+                group[0].append(name)
+                group[1].append(t.detach())
+        with torch.no_grad():
+            for done, src in by_dtype.values():
+                if all(name in self._buffers for name in done):
+                    dst = [self._buffers[name] for name in done]
+                    bulk = getattr(torch, "_foreach_copy_", None)  # one C++ loop; private, so not relied on
+                    if bulk is not None:
+                        bulk(dst, src)
+                    else:
+                        for d, s in zip(dst, src, strict=True):
+                            d.copy_(s)
                 else:
-                    for d, s in zip(dst, src, strict=True):
-                        d.copy_(s)
-        with self._lock:
-            for name in done:
-                self._saved[name] = -1
+                    # One allocation and one C++ copy loop for the whole group instead of a tensor
+                    # and a copy call per name; taken apart again only if the load fails.
+                    block = _flatten(src)
+                    with self._lock:
+                        self._blocks.append((done, block))
+                with self._lock:
+                    for name in done:
+                        self._saved[name] = -1
 
     def restore(self) -> None:
         """Put every backed-up byte back as it was before the load.
@@ -274,12 +294,30 @@ class Rollback:
         """
         with self._lock:
             saved = dict(self._saved)
+            blocks = list(self._blocks)
+        from_blocks: dict[str, torch.Tensor] = {}
+        for names, block in blocks:
+            pos = 0
+            for name in names:
+                dest = _local(self._leaves[name])
+                n = dest.numel()
+                from_blocks[name] = block[pos : pos + n].view(dest.shape)
+                pos += n
         for name, upto in saved.items():
             try:
                 dest = _local(self._leaves[name])
                 if upto < 0:
-                    dest.detach().copy_(self._buffers[name])
+                    src = from_blocks.get(name)
+                    dest.detach().copy_(src if src is not None else self._buffers[name])
                 elif upto:
                     self._bytes(dest)[:upto].copy_(self._bytes(self._buffers[name])[:upto])
             except Exception as exc:
                 log.error("a failed load could not put %s back as it was: %s", name, exc)
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One 1-D tensor holding ``tensors``' elements one after another (all of one dtype)."""
+    flatten = getattr(torch._C._nn, "flatten_dense_tensors", None)  # private: checked, with a public fallback
+    if flatten is not None:
+        return flatten(tensors)  # type: ignore[no-any-return]
+    return torch.cat([t.reshape(-1) for t in tensors])

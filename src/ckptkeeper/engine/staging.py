@@ -53,6 +53,15 @@ class Stager:
         self._buffers_for(locals_)
         return dict(self._buffers)
 
+    def existing_buffers_for_locals(self, locals_: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+        """This stager's buffers when it already holds them for exactly this layout, else None
+        (nothing is allocated)."""
+        if not self._buffers or len(self._buffers) != len(locals_):
+            return None
+        if tuple((p, t.shape, t.dtype) for p, t in locals_) != self._layout:
+            return None
+        return dict(self._buffers)
+
     def _buffers_for(self, locals_: list[tuple[str, torch.Tensor]]) -> None:
         # torch.Size is a tuple: compared as one without a copy per tensor.
         layout = tuple((p, t.shape, t.dtype) for p, t in locals_)

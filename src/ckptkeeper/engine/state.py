@@ -361,7 +361,7 @@ class _Fit:
             self.missing.append(key)
             return False
         info = self.info(key)
-        if info.shape != _shape(t):
+        if info.shape != t.shape:  # torch.Size is a tuple: compared without a copy
             self.mismatched.append((key, info.shape, _shape(t)))
             return False
         if info.dtype != t.dtype:
