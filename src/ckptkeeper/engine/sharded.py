@@ -59,7 +59,7 @@ from ..storage.layout import MODEL_DIR
 from .fastio import (
     _SMALL_PIECE,
     Segment,
-    _bytes_of,
+    _borrowed_view,
     _leaves,
     check_names,
     exact,
@@ -540,7 +540,7 @@ def read_pieces(
                 _check(source.where, read, kind, view)
         backup(read)
         seg = read.segs["data"]
-        view = _bytes_of(read.dest.detach())
+        view = _borrowed_view(read.dest)  # read.dest (held by the plan) outlives the view
         if len(view) != seg.length:
             raise CorruptCheckpointError(
                 f"{source.where}/{read.file}: {read.fqn} holds {seg.length} bytes, expected {len(view)}"
@@ -557,16 +557,20 @@ def read_pieces(
 
     def place(run: list[_Read], buf: memoryview) -> None:
         start = run[0].span[0]
+        if verify:
+            # The whole run's checksums in one pass from C; the culprit is looked for only on a mismatch.
+            segs = [seg for read in run for seg in (read.segs["head"], read.segs["data"], read.segs["tail"])]
+            views = [buf[seg.offset - start : seg.offset - start + seg.length] for seg in segs]
+            if list(map(xxhash.xxh3_64_hexdigest, views)) != [seg.xxh3_64 for seg in segs]:
+                for i, read in enumerate(run):
+                    for k, kind in enumerate(("head", "data", "tail")):
+                        _check(source.where, read, kind, views[3 * i + k])
         for read in run:
-            for kind in ("head", "data", "tail"):
-                seg = read.segs[kind]
-                if verify:
-                    _check(source.where, read, kind, buf[seg.offset - start : seg.offset - start + seg.length])
             data = read.segs["data"]
             backup(read)
             piece = buf[data.offset - start : data.offset - start + data.length]
             if read.whole:
-                _bytes_of(read.dest.detach())[:] = piece  # a plain memory copy
+                _borrowed_view(read.dest)[:] = piece  # a plain memory copy; read.dest outlives the view
             else:
                 _copy_overlap(read, piece)
 
