@@ -160,6 +160,12 @@ def test_mixed_param_groups_resume_exactly(tmp_path: Path, kind: str) -> None:
         assert {k: v for k, v in got.items() if k != "params"} == {k: v for k, v in exp.items() if k != "params"}
     if kind == "sgd":
         assert resumed.model[2].weight not in resumed.optimizer.state  # type: ignore[index]
+    # The loader hands the optimizer its groups' names in a list with a set look-up (torch asks
+    # `name in params` per state tensor); afterwards the groups hold the real parameters again.
+    params = list(resumed.model.parameters())
+    for group in resumed.optimizer.param_groups:
+        assert type(group["params"]) is list
+        assert all(any(p is q for q in params) for p in group["params"])
 
 
 def test_an_lr_scheduler_in_extra_resumes_exactly(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Run by torchrun (``torchrun --standalone --nproc-per-node N -m ckptkeeper bench``), or in one
 process (a one-rank group) when --tensors or --store is given. Every rank builds the same model of
-about M MiB of ``Linear`` layers, shards each layer and then the root with ``fully_shard``, and
+about M MiB of ``Linear`` layers in up to 100 blocks, shards each block and then the root with
+``fully_shard``, and
 takes one AdamW step so that the optimizer state (2x the model) exists. Then, interleaved per repeat
 (the order alternates), on that same state:
 
@@ -112,14 +113,22 @@ def build_state(
     mesh = init_device_mesh(device, (world,))
     # The model is made on the meta device and each rank then fills in its own shards only, as large
     # FSDP2 jobs do: no rank ever holds the whole model (N ranks x M MiB would be the peak otherwise).
+    # --tensors splits the same bytes into more, smaller Linear layers. They are grouped into at
+    # most 100 blocks, each sharded on its own and then the root, as FSDP2 jobs wrap transformer
+    # blocks (the saved state is the same as with one fully_shard of the whole model: every
+    # parameter a DTensor sharded on dim 0). A flat Sequential of thousands of layers made
+    # torch's load_state_dict quadratic (each child filters every key) and building the model
+    # and taking its first step with a unit per layer took minutes with gloo, for both sides.
+    per_block = max(1, math.ceil(layers / 100))
     with torch.device("meta"):
-        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
-    # --tensors splits the same bytes into more, smaller Linear layers, each sharded on its own and
-    # then the root, as FSDP2 jobs wrap transformer blocks. The saved state is the same as with one
-    # fully_shard of the whole model (every parameter a DTensor sharded on dim 0), but per-layer
-    # units are what real jobs have, and they keep the forward pass's all-gathers one layer at a time.
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
+        model = nn.Sequential(
+            *(
+                nn.Sequential(*(nn.Linear(width, width) for _ in range(min(per_block, layers - i))))
+                for i in range(0, layers, per_block)
+            )
+        )
+    for block in model:
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(D.get_rank())
