@@ -265,8 +265,12 @@ def metadata_from_tables(tables: Mapping[str, tuple[Any, Any]], sizes: Mapping[s
         for fqn, entry in listed.items():
             if not (isinstance(entry, list) and len(entry) == 4 and all(isinstance(x, list) for x in entry[1:])):
                 raise ValueError(f"the segment table of {data_file} has a malformed piece of {str(fqn)[:80]!r}")
-            ((shape, dtype),) = saved_from_table({fqn: [entry[0], entry[1]]}).values()
-            ((sizes_, _),) = saved_from_table({fqn: [entry[0], entry[3]]}).values()
+        # Checked a table at a time (each distinct shape once), not a call per piece.
+        shapes = saved_from_table({fqn: [entry[0], entry[1]] for fqn, entry in listed.items()})
+        boxes = saved_from_table({fqn: [entry[0], entry[3]] for fqn, entry in listed.items()})
+        for fqn, entry in listed.items():
+            shape, dtype = shapes[fqn]
+            sizes_ = boxes[fqn][0]
             offsets = tuple(entry[2])
             if not all(type(n) is int and n >= 0 for n in offsets) or not len(offsets) == len(shape) == len(sizes_):
                 raise ValueError(f"the segment table of {data_file} places {str(fqn)[:80]!r} nowhere valid")
