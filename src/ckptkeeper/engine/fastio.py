@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import ConfigurationError, CorruptCheckpointError
 from ..storage.base import Upload
+from ..storage.local import open_regular
 from .gcpause import paused_gc
 from .record import FileEntry, new_hasher
 from .state import SavedTensor
@@ -729,8 +730,8 @@ def read_fast(
             for fqn, _, segs in late:
                 if segs["data"].length:
                     before_write(fqn, 0, segs["data"].length)
-    # O_NOFOLLOW: a checkpoint's data file is never a link to somewhere else.
-    fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW)
+    # Never through a link, and never a FIFO or device (which would block the open or a read forever).
+    fd = _open_data_file(where)
     try:
 
         def load(job: tuple[str, torch.Tensor, Mapping[str, Segment]]) -> None:
@@ -828,6 +829,20 @@ def read_fast(
                 ctypes.memmove(job[1].data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(bufs[1])), bufs[1].nbytes)
     finally:
         os.close(fd)
+
+
+def _open_data_file(path: str) -> int:
+    """A read-only descriptor of a checkpoint's data file; CorruptCheckpointError unless it is a
+    regular file reached without following a link."""
+    try:
+        return open_regular(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing") from None
+    except OSError as exc:
+        raise CorruptCheckpointError(
+            f"{path} cannot be read as a checkpoint's data file ({exc.strerror or exc}: it must be a regular file, "
+            "not a link, folder or FIFO); load an earlier checkpoint or restore this one from a copy"
+        ) from None
 
 
 def _will_need(fd: int, run: list[tuple[str, torch.Tensor, Mapping[str, Segment]]]) -> None:

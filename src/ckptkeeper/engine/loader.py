@@ -316,8 +316,15 @@ class Rollback:
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One 1-D tensor holding ``tensors``' elements one after another (all of one dtype)."""
+    """A new 1-D tensor holding a copy of ``tensors``' elements one after another (all of one dtype).
+
+    Always a copy: ``flatten_dense_tensors`` of a single tensor returns a view of it, which as a
+    backup would be overwritten by the very read it guards against.
+    """
     flatten = getattr(torch._C._nn, "flatten_dense_tensors", None)  # private: checked, with a public fallback
-    if flatten is not None:
-        return flatten(tensors)  # type: ignore[no-any-return]
-    return torch.cat([t.reshape(-1) for t in tensors])
+    if flatten is None or len(tensors) == 1:
+        return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+    block: torch.Tensor = flatten(tensors)
+    if block.data_ptr() == tensors[0].data_ptr():  # a view after all (a future torch): copy it
+        block = block.clone()
+    return block

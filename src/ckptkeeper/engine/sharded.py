@@ -61,6 +61,7 @@ from .fastio import (
     Segment,
     _borrowed_view,
     _leaves,
+    _open_data_file,
     check_names,
     exact,
     fetch_and_place,
@@ -356,8 +357,8 @@ class LocalSource:
     def _fd(self, rel: str) -> int:
         with self._lock:
             if rel not in self._fds:
-                # O_NOFOLLOW: a checkpoint's data file is never a link to somewhere else.
-                self._fds[rel] = os.open(os.path.join(self.where, rel), os.O_RDONLY | os.O_NOFOLLOW)
+                # Never through a link, and never a FIFO or device (which would block forever).
+                self._fds[rel] = _open_data_file(os.path.join(self.where, rel))
             return self._fds[rel]
 
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
