@@ -61,6 +61,7 @@ _CHUNK = 64 << 20
 _SMALL_PIECE = 1 << 20  # pieces below this are joined with their neighbours into one write...
 _RUN_BYTES = 8 << 20  # ...of up to this many bytes
 _READ_AHEAD_RUNS = 4  # runs of small tensors the kernel is asked to read ahead of the reader
+_BACKUP_THREADS = 2  # runs of small tensors backed up at once, ahead of the reader
 _CRC_LOCK = threading.Lock()
 _SKELETONS: dict[tuple[tuple[int, ...], torch.dtype], tuple[bytes, bytes, str, str]] = {}
 _METADATA: dict[Any, bytes] = {}
@@ -798,19 +799,23 @@ def read_fast(
             # their work is Python per tensor, and reader threads taking turns with it over the
             # GIL (each short copy or read giving it up and waiting to get it back) was slower.
             error: BaseException | None = None
-            backups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-backup")
+            # Backups (fresh memory: page faults, then a copy) were what the reads waited for; two
+            # threads, two runs ahead, use the time the loading thread spends waiting on the disk.
+            backups = ThreadPoolExecutor(max_workers=_BACKUP_THREADS, thread_name_prefix="ckptkeeper-backup")
             try:
-                backed: Future[None] | None = None
-                if back_up_whole is not None and runs:
-                    backed = backups.submit(back_up_whole, [j[0] for j in runs[0]])
+                backed: deque[Future[None]] = deque()
+                if back_up_whole is not None:
+                    for upcoming in runs[:_BACKUP_THREADS]:
+                        backed.append(backups.submit(back_up_whole, [j[0] for j in upcoming]))
                 for k, run in enumerate(runs):
                     # A window of runs asked for ahead: all of it at first, then the run entering it.
                     for upcoming in runs[: _READ_AHEAD_RUNS + 1] if k == 0 else runs[k + _READ_AHEAD_RUNS :][:1]:
                         pool.submit(_will_need, fd, upcoming)  # it may block while it queues the reads
-                    if backed is not None and back_up_whole is not None:
-                        backed.result()  # this run is backed up; the next one's backup runs beside its read
-                        nxt = runs[k + 1] if k + 1 < len(runs) else None
-                        backed = backups.submit(back_up_whole, [j[0] for j in nxt]) if nxt is not None else None
+                    if back_up_whole is not None:
+                        backed.popleft().result()  # this run is backed up; the next ones' backups run meanwhile
+                        if k + _BACKUP_THREADS < len(runs):
+                            nxt = runs[k + _BACKUP_THREADS]
+                            backed.append(backups.submit(back_up_whole, [j[0] for j in nxt]))
                     check_run(run, read_run(run))
             except BaseException as failed:  # raised once every reader has stopped writing
                 error = failed
