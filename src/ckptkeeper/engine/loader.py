@@ -295,20 +295,22 @@ class Rollback:
         with self._lock:
             saved = dict(self._saved)
             blocks = list(self._blocks)
-        from_blocks: dict[str, torch.Tensor] = {}
+        in_blocks: dict[str, tuple[torch.Tensor, int]] = {}  # name: (its block, where it starts there)
         for names, block in blocks:
             pos = 0
             for name in names:
-                dest = _local(self._leaves[name])
-                n = dest.numel()
-                from_blocks[name] = block[pos : pos + n].view(dest.shape)
-                pos += n
+                in_blocks[name] = (block, pos)
+                pos += _local(self._leaves[name]).numel()
         for name, upto in saved.items():
             try:
                 dest = _local(self._leaves[name])
                 if upto < 0:
-                    src = from_blocks.get(name)
-                    dest.detach().copy_(src if src is not None else self._buffers[name])
+                    found = in_blocks.get(name)
+                    if found is not None:
+                        block, pos = found
+                        dest.detach().copy_(block[pos : pos + dest.numel()].view(dest.shape))
+                    else:
+                        dest.detach().copy_(self._buffers[name])
                 elif upto:
                     self._bytes(dest)[:upto].copy_(self._bytes(self._buffers[name])[:upto])
             except Exception as exc:
