@@ -16,8 +16,8 @@ what stock ``torch.distributed.checkpoint.load`` reads:
 - loads read each tensor's bytes straight into the destination tensor, verifying segment checksums
   on the way, several tensors at once.
 
-Only plain CPU tensors in one process use this path; sharded (DTensor) and multi-rank states go
-through DCP's own writer and reader.
+This module is the single-process path for plain CPU tensors; several ranks (sharded DTensors,
+replicated state) use the same writer and checks per rank through :mod:`.sharded`.
 """
 
 from __future__ import annotations
@@ -842,7 +842,9 @@ def _open_data_file(path: str) -> int:
     try:
         return open_regular(path)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path} is missing") from None
+        raise CorruptCheckpointError(
+            f"checkpoint data file {path} is missing; load an earlier checkpoint or restore this one from a copy"
+        ) from None
     except OSError as exc:
         raise CorruptCheckpointError(
             f"{path} cannot be read as a checkpoint's data file ({exc.strerror or exc}: it must be a regular file, "
