@@ -346,3 +346,27 @@ def test_a_data_file_swapped_for_a_fifo_mid_load_is_refused_not_waited_on(tmp_pa
     with pytest.raises(CorruptCheckpointError, match="regular file"):
         Checkpointer().load(str(tmp_path / "step1"), _FixedState(fresh), check_train_state=swap)
     assert all(bool((v == 5).all()) for v in fresh["model"].values())
+
+
+def test_dcps_own_reader_refuses_a_data_file_swapped_for_a_fifo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by an attack: another dtype sends a load through DCP's reader, which opened files with a
+    # plain blocking open(); a FIFO put in place after the checksum pass blocked the load forever.
+    from ckptkeeper.engine import loading
+
+    tree = {"model": {f"w{i}": torch.randn(8) for i in range(30)}}
+    Checkpointer().save(str(tmp_path), 1, _FixedState(tree))
+    data_file = tmp_path / "step1" / "model_and_optim" / "__0_0.distcp"
+    verify = loading.discovery.verify_checksums
+
+    def verify_then_swap(*args: Any, **kwargs: Any) -> None:
+        verify(*args, **kwargs)
+        data_file.unlink()
+        os.mkfifo(data_file)
+
+    monkeypatch.setattr(loading.discovery, "verify_checksums", verify_then_swap)
+    fresh = {"model": {k: torch.full(v.shape, 5.0, dtype=torch.float64) for k, v in tree["model"].items()}}
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        Checkpointer().load(str(tmp_path / "step1"), _FixedState(fresh))
+    assert all(bool((v == 5).all()) for v in fresh["model"].values())

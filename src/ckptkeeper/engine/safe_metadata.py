@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..storage.layout import check_relpath
+from ..storage.local import open_regular
 
 __all__ = [
     "MAX_METADATA_BYTES",
@@ -358,6 +359,24 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         )
 
 
+class _RegularFilesOnly(_dcp_fs.FileSystem):
+    """DCP's local filesystem whose reads open regular files only, never through a final link.
+
+    DCP opens with a plain blocking ``open()``: a data file swapped for a FIFO after ckptkeeper's
+    checks would block the load forever; here it is an OSError, which the load reports as a
+    corrupt checkpoint.
+    """
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[io.IOBase]:
+        if "r" not in mode or "+" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(open_regular(str(path)), mode) as stream:
+            yield cast(io.IOBase, stream)
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's filesystem reader with the metadata pickle read through the allow-list above.
 
@@ -367,6 +386,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str, files: Iterable[str] | None = None, *, olmo_core: bool = False) -> None:
         super().__init__(path)
+        self.fs = _RegularFilesOnly()
         self._files = list(files) if files is not None else None
         self._olmo_core = olmo_core
 
