@@ -26,6 +26,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _layout_of(locals_: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, torch.Size, torch.dtype], ...]:
+    # torch.Size is a tuple: compared as one without a copy per tensor.
+    return tuple((p, t.shape, t.dtype) for p, t in locals_)
+
+
 class Stager:
     """Copies a tensor tree into buffers it owns; ``allocations`` counts buffer (re)allocations."""
 
@@ -46,25 +51,18 @@ class Stager:
 
     def buffers_for(self, tree: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """This stager's buffers for ``tree``'s layout (allocated when the layout changed), by dotted path."""
-        return self.buffers_for_locals([(p, _local(t)) for p, t in flatten_tensors(tree)])
-
-    def buffers_for_locals(self, locals_: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """:meth:`buffers_for` of an already flattened tree of local (per-rank) tensors."""
-        self._buffers_for(locals_)
+        self._buffers_for([(p, _local(t)) for p, t in flatten_tensors(tree)])
         return dict(self._buffers)
 
     def existing_buffers_for_locals(self, locals_: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
-        """This stager's buffers when it already holds them for exactly this layout, else None
-        (nothing is allocated)."""
-        if not self._buffers or len(self._buffers) != len(locals_):
-            return None
-        if tuple((p, t.shape, t.dtype) for p, t in locals_) != self._layout:
+        """This stager's buffers when it already holds them for exactly the layout of ``locals_``
+        (an already flattened tree of local, per-rank tensors), else None (nothing is allocated)."""
+        if not self._buffers or len(self._buffers) != len(locals_) or _layout_of(locals_) != self._layout:
             return None
         return dict(self._buffers)
 
     def _buffers_for(self, locals_: list[tuple[str, torch.Tensor]]) -> None:
-        # torch.Size is a tuple: compared as one without a copy per tensor.
-        layout = tuple((p, t.shape, t.dtype) for p, t in locals_)
+        layout = _layout_of(locals_)
         if layout != self._layout:
             self._allocate(locals_)
             self._layout = layout
