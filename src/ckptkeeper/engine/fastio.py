@@ -676,6 +676,22 @@ def segment_mismatch(where: str, fqn: str, kind: str, got: str, want: str) -> Co
     )
 
 
+def check_segments(where: str, tensors: list[tuple[str, Mapping[str, Segment]]], bufs: list[Any]) -> None:
+    """Check a run of tensors' bytes against their segment checksums; CorruptCheckpointError for the first
+    mismatch. ``bufs`` holds each tensor's head, data and tail, in order.
+
+    Every checksum in one call from C (``map``); the culprit is looked for only on a mismatch (a
+    Python loop of a call per segment cost more than hashing a small tensor).
+    """
+    got = list(map(xxhash.xxh3_64_hexdigest, bufs))
+    if got == [seg.xxh3_64 for _, segs in tensors for seg in (segs["head"], segs["data"], segs["tail"])]:
+        return
+    for i, (fqn, segs) in enumerate(tensors):
+        for k, kind in enumerate(("head", "data", "tail")):
+            if got[3 * i + k] != segs[kind].xxh3_64:
+                raise segment_mismatch(where, fqn, kind, got[3 * i + k], segs[kind].xxh3_64)
+
+
 def _preadinto(
     fd: int, view: memoryview, offset: int, hasher: Any, where: str, before: Callable[[int, int], None] | None = None
 ) -> None:
@@ -766,17 +782,8 @@ def read_fast(
 
         def check_run(run: list[tuple[str, torch.Tensor, Mapping[str, Segment]]], bufs: list[memoryview]) -> None:
             # A mismatch raises; the loader then puts the tensors back from their backups.
-            if not verify:
-                return
-            # Every checksum of the run in one C-level pass; the culprit is looked for only on a mismatch.
-            wants = [seg.xxh3_64 for _, _, segs in run for seg in (segs["head"], segs["data"], segs["tail"])]
-            got = list(map(xxhash.xxh3_64_hexdigest, bufs))
-            if got == wants:
-                return
-            for i, (fqn, _, segs) in enumerate(run):
-                for k, kind in enumerate(("head", "data", "tail")):
-                    if got[3 * i + k] != segs[kind].xxh3_64:
-                        raise segment_mismatch(where, fqn, kind, got[3 * i + k], segs[kind].xxh3_64)
+            if verify:
+                check_segments(where, [(fqn, segs) for fqn, _, segs in run], bufs)
 
         small = sorted((j for j in jobs if j[2]["data"].length < _SMALL_PIECE), key=lambda j: j[2]["head"].offset)
         runs: list[list[tuple[str, torch.Tensor, Mapping[str, Segment]]]] = []

@@ -63,6 +63,7 @@ from .fastio import (
     _leaves,
     _open_data_file,
     check_names,
+    check_segments,
     exact,
     fetch_and_place,
     parse_layout,
@@ -563,13 +564,10 @@ def read_pieces(
     def place(run: list[_Read], buf: memoryview) -> None:
         start = run[0].span[0]
         if verify:
-            # The whole run's checksums in one pass from C; the culprit is looked for only on a mismatch.
-            segs = [seg for read in run for seg in (read.segs["head"], read.segs["data"], read.segs["tail"])]
-            views = [buf[seg.offset - start : seg.offset - start + seg.length] for seg in segs]
-            if list(map(xxhash.xxh3_64_hexdigest, views)) != [seg.xxh3_64 for seg in segs]:
-                for i, read in enumerate(run):
-                    for k, kind in enumerate(("head", "data", "tail")):
-                        _check(source.where, read, kind, views[3 * i + k])
+            # A run lies in one file (runs are made of neighbours).
+            views = [buf[seg.offset - start : seg.offset - start + seg.length]
+                     for read in run for seg in (read.segs["head"], read.segs["data"], read.segs["tail"])]  # fmt: skip
+            check_segments(f"{source.where}/{run[0].file}", [(read.fqn, read.segs) for read in run], views)
         for read in run:
             data = read.segs["data"]
             backup(read)
