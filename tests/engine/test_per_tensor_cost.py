@@ -370,3 +370,31 @@ def test_dcps_own_reader_refuses_a_data_file_swapped_for_a_fifo(
     with pytest.raises(CorruptCheckpointError, match="not a regular file"):
         Checkpointer().load(str(tmp_path / "step1"), _FixedState(fresh))
     assert all(bool((v == 5).all()) for v in fresh["model"].values())
+
+
+def test_the_quick_metadata_pickle_is_pickles_own_bytes_and_reads_back_safely() -> None:
+    import pickle
+
+    from ckptkeeper.engine.safe_metadata import safe_load_metadata
+    from ckptkeeper.engine.sharded import build_metadata, metadata_bytes
+
+    # Two ranks, each half of every tensor, several dtypes and shapes (shared torch.Size objects).
+    per_rank: list[list[Any]] = []
+    for rank in range(2):
+        entries = []
+        start = 0
+        for i in range(40):
+            dtype = (torch.float32, torch.bfloat16, torch.int64)[i % 3]
+            rows = 2 + i % 4
+            sizes = (rows, 3)
+            length = rows * 3 * dtype.itemsize + 100
+            entries.append((f"model.l{i}.w", ("model", f"l{i}", "w"), (2 * rows, 3), dtype, (rank * rows, 0), sizes,
+                            start, length))  # fmt: skip
+            start += length
+        per_rank.append(entries)
+    md = build_metadata(per_rank)
+    quick = fastio.dumps_metadata(md)
+    assert quick == pickle.dumps(md)
+    assert metadata_bytes(per_rank) == quick and metadata_bytes(per_rank) is metadata_bytes(per_rank)
+    back = safe_load_metadata(quick, "test")
+    assert back.state_dict_metadata == md.state_dict_metadata and back.storage_data == md.storage_data

@@ -498,3 +498,52 @@ def test_an_optimizer_keeping_lists_of_tensors_gets_a_clear_error(tmp_path: Path
     with pytest.raises(ConfigurationError, match="LBFGS"):
         Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt))
     assert not list(tmp_path.iterdir())
+
+
+def test_the_quick_model_state_dict_is_dcps_for_wrapped_models() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ckptkeeper.engine.state import model_state_dict
+
+    inner = nn.Sequential(nn.Linear(3, 4), checkpoint_wrapper(nn.Linear(4, 4)), nn.BatchNorm1d(4))
+    models = [inner, torch.compile(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))]
+    for model in models:
+        for _ in range(2):  # the second call answers from the names kept by the first
+            ours, dcps = model_state_dict(model), get_model_state_dict(model)
+            assert list(ours) == list(dcps)
+            assert all(torch.equal(ours[k], dcps[k]) and ours[k].data_ptr() == dcps[k].data_ptr() for k in ours)
+    # torch.compile's prefix is in the module's own keys and not in the checkpoint's names.
+    assert any("_orig_mod" in k for k in models[1].state_dict())
+    assert not any("_orig_mod" in k for k in model_state_dict(models[1]))
+
+
+def test_a_model_with_its_own_load_hooks_still_gets_them_called(tmp_path: Path) -> None:
+    # The load skips load_state_dict when it would only copy tensors onto themselves; a module
+    # that does more (a hook, its own _load_from_state_dict) must still get its call.
+    calls: list[str] = []
+
+    class Tracked(nn.Linear):
+        def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+            calls.append("own")
+            super()._load_from_state_dict(*args, **kwargs)
+
+    def post_hook(module: nn.Module, keys: Any) -> None:
+        calls.append("hook")
+
+    plain = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    hooked = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    hooked[1].register_load_state_dict_post_hook(post_hook)
+    own = nn.Sequential(Tracked(3, 3), nn.Linear(3, 2))
+    ck = Checkpointer()
+    for model, want in ((plain, []), (hooked, ["hook"]), (own, ["own"])):
+        calls.clear()
+        st = TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        res = ck.save(str(tmp_path / type(model[0]).__name__ / str(len(want))), 1, st)
+        before = state_digest(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        ck.load(res.path, st)
+        assert state_digest(model) == before
+        assert calls == want

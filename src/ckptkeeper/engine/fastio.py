@@ -23,6 +23,7 @@ replicated state) use the same writer and checks per rank through :mod:`.sharded
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import ctypes
 import io
 import math
@@ -461,7 +462,7 @@ def write_fast(
         key = (tuple((path, t.shape, t.dtype) for _, path, t in leaves), tuple(starts))
         meta_bytes = _METADATA.get(key)
         if meta_bytes is None:
-            meta_bytes = pickle.dumps(_metadata([(f, p, t, s, segs) for (f, p, t), s, segs in
+            meta_bytes = dumps_metadata(_metadata([(f, p, t, s, segs) for (f, p, t), s, segs in
                                                  zip(leaves, starts, _trios(segments), strict=True)]))  # fmt: skip
             with _CRC_LOCK:
                 if len(_METADATA) >= 4:
@@ -575,6 +576,29 @@ def _stream_items(sink: Upload, items: list[Any], total: int) -> tuple[FileEntry
         sink.abort()
         raise
     return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
+
+
+def _reduce_by_state(obj: Any) -> tuple[Any, ...]:
+    return (copyreg.__newobj__, (type(obj),), obj.__getstate__())  # type: ignore[attr-defined]
+
+
+# What object.__reduce_ex__ makes of these classes, made without its C-to-Python detours (a
+# __getnewargs_ex__ look-up that fails, the copyreg import, DCP's own __getstate__ called from C):
+# the pickled bytes are the same, in half the time. A .metadata holds one or two of each per
+# tensor piece, so at 24,000 pieces this is about half a second of rank 0's save.
+_DCP_REDUCERS: dict[type, Callable[[Any], Any]] = {
+    **copyreg.dispatch_table,
+    **{cls: _reduce_by_state for cls in (MetadataIndex, ChunkStorageMetadata, TensorStorageMetadata, _StorageInfo)},
+}
+
+
+def dumps_metadata(metadata: Metadata) -> bytes:
+    """``pickle.dumps(metadata)``, byte for byte, for DCP's ``.metadata`` file (quicker for many entries)."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL)
+    pickler.dispatch_table = _DCP_REDUCERS
+    pickler.dump(metadata)
+    return buf.getvalue()
 
 
 def _metadata(items: list[Any]) -> Metadata:

@@ -38,7 +38,17 @@ from .metrics import emit
 from .record import CommitRecord, FileEntry, hash_file
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .saving import quiet_dcp, tensor_bytes
-from .sharded import PIECES_KEY, LocalSource, RemoteSource, Source, metadata_from_tables, plan_reads, read_pieces
+from .sharded import (
+    PIECES_KEY,
+    LocalSource,
+    PieceIndex,
+    RemoteSource,
+    Source,
+    index_from_metadata,
+    index_from_tables,
+    plan_reads,
+    read_pieces,
+)
 from .state import SavedTensor, TrainingState
 
 if TYPE_CHECKING:
@@ -190,6 +200,7 @@ def _load_verified(
         tables = {} if olmo else discovery.segment_tables(record)
         single = world == 1 and remote is None and record.world_size == 1 and list(tables) == [DATA_FILE]
         metadata: Any = None
+        index: PieceIndex | None = None
         listed = None
         if single:
             found = discovery.read_segment_table(path, record, DATA_FILE, local)
@@ -215,10 +226,12 @@ def _load_verified(
             # Where every piece is comes from the segment tables (JSON, checked as read) when
             # they say; DCP's metadata (every piece of every rank, pickled) is decoded otherwise.
             if tables and not single:
-                metadata = _metadata_from_tables(path, record, tables, None if remote else local)
-            if metadata is None:
+                index = _index_from_tables(path, record, tables, None if remote else local)
+            if index is not None:
+                saved = index.saved
+            else:
                 metadata = read_metadata(local, record, path)
-            saved = saved_tensors(metadata)
+                saved = saved_tensors(metadata)
         # Where each tensor goes, checked against the checkpoint (and state.strict) before anything is read.
         plan = state.plan_load(saved, None if olmo else doc.get("state_meta", {}), path)
         prep.update(doc=doc, plan=plan)
@@ -229,19 +242,26 @@ def _load_verified(
                 return "dcp"
             prep["by_fqn"] = _parsed(path, rows, record, metadata, DATA_FILE, listed)
             return "single"
-        parsed: dict[str, Any] = {}
-        if metadata is None:
-            metadata = read_metadata(local, record, path)
+        if index is None:
+            if metadata is None:
+                metadata = read_metadata(local, record, path)
+            parsed: dict[str, Any] = {}
 
-        def segments(data_file: str) -> Any:
-            if data_file not in parsed:
-                rows = discovery.read_segment_rows(path, record, data_file, None if remote else local)
-                if rows is None:
-                    raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {data_file} has no segment table")
-                parsed[data_file] = _parsed(path, rows, record, metadata, data_file)
-            return parsed[data_file]
+            def segments(data_file: str) -> Any:
+                if data_file not in parsed:
+                    rows = discovery.read_segment_rows(path, record, data_file, None if remote else local)
+                    if rows is None:
+                        raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {data_file} has no segment table")
+                    parsed[data_file] = _parsed(path, rows, record, metadata, data_file)
+                return parsed[data_file]
 
-        reads = plan_reads(plan.tensors, metadata, segments, world, path)
+            try:
+                index = index_from_metadata(metadata, segments)
+            except ValueError as exc:
+                raise CorruptCheckpointError(
+                    f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
+                ) from None
+        reads = plan_reads(plan.tensors, index, world, path)
         if reads is None:
             return "download" if remote is not None else "dcp"
         prep["reads"] = reads
@@ -358,8 +378,8 @@ def _read_ahead(data_path: str, entry: FileEntry | None) -> None:
     threading.Thread(target=advise, name="ckptkeeper-read-ahead", daemon=True).start()
 
 
-def _metadata_from_tables(path: str, record: CommitRecord, tables: Any, local: str | None) -> Any:
-    """DCP's metadata from the segment tables, or None when one of them does not place its pieces."""
+def _index_from_tables(path: str, record: CommitRecord, tables: Any, local: str | None) -> PieceIndex | None:
+    """Every stored piece, from the segment tables; None when one of them does not place its pieces."""
     found = {}
     for data_file in tables:
         got = discovery.read_segment_table(path, record, data_file, local)
@@ -381,7 +401,7 @@ def _metadata_from_tables(path: str, record: CommitRecord, tables: Any, local: s
             if rel not in record.files:
                 raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
             sizes[data_file] = record.files[rel].bytes
-        return metadata_from_tables(found, sizes)
+        return index_from_tables(found, sizes)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(
             f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"

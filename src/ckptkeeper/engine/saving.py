@@ -15,7 +15,6 @@ import errno
 import json
 import logging
 import os
-import pickle
 import time
 import uuid
 import warnings
@@ -50,7 +49,7 @@ from .fastio import (
 from .gcpause import paused_gc
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
-from .sharded import Piece, PieceEntry, build_metadata, local_pieces, shard_name, write_shard
+from .sharded import Piece, PieceEntry, local_pieces, metadata_bytes, shard_name, write_shard
 from .state import flatten_tensors
 
 __all__ = ["SaveResult", "SaveSettings", "SaveStage", "final_path", "quiet_dcp", "tensor_bytes", "write_checkpoint"]
@@ -247,11 +246,9 @@ def write_checkpoint(
         enter("writing trainer state")
         if sharded and rank == 0:
             # DCP's .metadata, from every rank's pieces: stock DCP reads the checkpoint with it.
-            metadata = build_metadata(all_entries, os.path.join(work, MODEL_DIR))
+            encoded = metadata_bytes(all_entries)
             with translate_os_error(work):
-                written[f"{MODEL_DIR}/.metadata"] = write_synced(
-                    os.path.join(work, MODEL_DIR, ".metadata"), pickle.dumps(metadata)
-                )
+                written[f"{MODEL_DIR}/.metadata"] = write_synced(os.path.join(work, MODEL_DIR, ".metadata"), encoded)
         with translate_os_error(work):
             storage_for(work).write_bytes(os.path.join(work, train_state_name(rank)), payload)
         mine = _hash_own_files(work, rank, world, skip=set(written))
