@@ -398,3 +398,67 @@ def test_the_quick_metadata_pickle_is_pickles_own_bytes_and_reads_back_safely() 
     assert metadata_bytes(per_rank) == quick and metadata_bytes(per_rank) is metadata_bytes(per_rank)
     back = safe_load_metadata(quick, "test")
     assert back.state_dict_metadata == md.state_dict_metadata and back.storage_data == md.storage_data
+
+
+def _two_rank_tables(tmp_path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """The segment tables two ranks would write for row-halves of a few tensors (no processes)."""
+    import json
+
+    from ckptkeeper.engine.sharded import PIECES_KEY, Piece, layout_name, shard_name, write_shard
+
+    model_dir = tmp_path / "model_and_optim"
+    model_dir.mkdir(parents=True)
+    tensors = {f"w{i}": torch.randn(4, 3) for i in range(6)} | {"b": torch.arange(8, dtype=torch.int64)}
+    tables: dict[str, Any] = {}
+    sizes: dict[str, int] = {}
+    for rank in range(2):
+        pieces = []
+        for fqn, t in tensors.items():
+            half = t.shape[0] // 2
+            local = t[rank * half : (rank + 1) * half].clone()
+            offsets = (rank * half,) + (0,) * (t.dim() - 1)
+            pieces.append(Piece(fqn, (fqn,), local, offsets, tuple(t.shape), True))
+        write_shard(str(model_dir), pieces, rank, 1)
+        table = json.loads((tmp_path / layout_name(rank)).read_bytes())
+        name = shard_name(rank)
+        tables[name] = (table[f"model_and_optim/{name}"], table[PIECES_KEY])
+        sizes[name] = (model_dir / name).stat().st_size
+    return tables, sizes
+
+
+def test_piece_tables_are_checked_entry_by_entry_even_where_entries_repeat(tmp_path: Path) -> None:
+    import copy
+
+    from ckptkeeper.engine.sharded import index_from_tables
+
+    tables, sizes = _two_rank_tables(tmp_path)
+    index = index_from_tables(tables, sizes)
+    assert index.saved["w0"] == ((4, 3), torch.float32) and index.saved["b"] == ((8,), torch.int64)
+    assert sorted(p.offsets for p in index.pieces["w3"]) == [(0, 0), (2, 0)]
+
+    def forged(change: Any) -> dict[str, Any]:
+        out = copy.deepcopy(tables)
+        change(out["__1_0.distcp"][1])
+        return out
+
+    def put(fqn: str, pos: int, value: Any) -> Any:
+        return lambda pieces: pieces[fqn].__setitem__(pos, value)
+
+    bad = [
+        put("w4", 2, [True, 0]),  # hashes like [1, 0]: must not pass as an entry seen before
+        put("w4", 2, [2.0, 0]),
+        put("w4", 2, [2, 0, 0]),  # the lists' lengths differ
+        put("w4", 1, [4, 3, 0]),
+        put("w4", 2, [3, 0]),  # reaches past the tensor's end
+        put("w4", 2, [0, 0]),  # rank 0's piece again: row 0 twice, rows 2-3 never
+        put("w4", 3, [2, 2]),  # other sizes than its own header
+        put("w4", 1, [4, 4]),  # ranks disagree about the shape
+        put("b", 0, "torch.int32"),  # another dtype than its header
+        put("w4", 0, ["torch.float32"]),  # unhashable
+        lambda pieces: pieces.pop("w5"),
+    ]
+    for change in bad:
+        with pytest.raises(ValueError):
+            index_from_tables(forged(change), sizes)
+    # A valid entry repeated across tensors is still taken (the memo serves it).
+    assert len(index_from_tables(forged(lambda pieces: None), sizes).pieces) == 7

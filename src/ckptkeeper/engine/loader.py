@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from ..errors import CorruptCheckpointError
 from ..storage import is_url, storage_for
@@ -179,7 +180,9 @@ _memmove_holding_gil = (
 def _local(t: torch.Tensor) -> torch.Tensor:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return t  # the common case, without hasattr's cost (an exception inside) per tensor
-    return t.to_local() if hasattr(t, "to_local") else t
+    if isinstance(t, DTensor):
+        return t._local_tensor  # to_local() runs an autograd function per tensor; only bytes are copied here
+    return t
 
 
 class Rollback:

@@ -315,7 +315,13 @@ def _load_verified(
                 local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
                 source, threads = LocalSource(os.path.join(local, MODEL_DIR)), max(1, ck.read_threads // local_ranks)
             reads = prep["reads"]
-            agree(lambda: read_pieces(source, reads, ck.verify_checksums, threads, before_write), None, pg, load_error)
+            whole = guard.back_up_whole if guard is not None else None
+            agree(
+                lambda: read_pieces(source, reads, ck.verify_checksums, threads, before_write, whole),
+                None,
+                pg,
+                load_error,
+            )
         else:
             data_files = [k[len(MODEL_DIR) + 1 :] for k in record.files if k.startswith(MODEL_DIR + "/")]
             with quiet_dcp():

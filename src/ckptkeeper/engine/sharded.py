@@ -276,6 +276,22 @@ class PieceIndex:
     pieces: dict[str, list[Stored]]
 
 
+def _piece_facts(
+    fqn: str, entry: list[Any], data_file: str
+) -> tuple[SavedTensor, tuple[int, ...], tuple[int, ...], int, tuple[str, str]]:
+    """(tensor, offsets, sizes, data bytes, header sums) of a checked piece entry ``[dtype, shape, offsets, sizes]``."""
+    whole = cast(SavedTensor, saved_from_table({fqn: [entry[0], entry[1]]})[fqn])
+    sizes, dtype = saved_from_table({fqn: [entry[0], entry[3]]})[fqn]
+    offsets = tuple(entry[2])
+    if not all(type(n) is int and 0 <= n < 1 << 52 for n in offsets) or not len(offsets) == len(whole.shape) == len(
+        sizes
+    ):
+        raise ValueError(f"the segment table of {data_file} places {str(fqn)[:80]!r} nowhere valid")
+    if any(o + n > m for o, n, m in zip(offsets, sizes, whole.shape, strict=True)):
+        raise ValueError(f"a piece of {str(fqn)[:80]!r} lies outside the tensor")
+    return whole, offsets, sizes, math.prod(sizes) * dtype.itemsize, skeleton_sums(sizes, dtype)
+
+
 def index_from_tables(tables: Mapping[str, tuple[Any, Any]], sizes: Mapping[str, int]) -> PieceIndex:
     """The pieces listed by the per-rank segment tables (``{data file: (rows, pieces)}``,
     ``sizes``: each data file's size), checked as they are read: the rows tile each file, each
@@ -292,38 +308,35 @@ def index_from_tables(tables: Mapping[str, tuple[Any, Any]], sizes: Mapping[str,
         if not isinstance(listed, dict):
             raise ValueError(f"the segment table of {data_file} lists no pieces")
         segs = parse_layout(rows, sizes[data_file], None, data_file)
+        # What a piece's entry implies (its tensor, box, bytes and header sums) is worked out and
+        # checked once per distinct entry: thousands of pieces repeat a few shapes and offsets.
+        known: dict[tuple[Any, ...], tuple[SavedTensor, tuple[int, ...], tuple[int, ...], int, tuple[str, str]]] = {}
         for fqn, entry in listed.items():
-            if not (isinstance(entry, list) and len(entry) == 4 and all(isinstance(x, list) for x in entry[1:])):
+            if not (type(entry) is list and len(entry) == 4 and all(type(x) is list for x in entry[1:])):
                 raise ValueError(f"the segment table of {data_file} has a malformed piece of {str(fqn)[:80]!r}")
-        # Checked a table at a time (each distinct shape once), not a call per piece.
-        shapes = saved_from_table({fqn: [entry[0], entry[1]] for fqn, entry in listed.items()})
-        boxes = saved_from_table({fqn: [entry[0], entry[3]] for fqn, entry in listed.items()})
-        for fqn, entry in listed.items():
-            shape, dtype = shapes[fqn]
-            whole = cast(SavedTensor, shapes[fqn])  # saved_from_table makes SavedTensor tuples
-            sizes_ = boxes[fqn][0]
-            offsets = tuple(entry[2])
-            if not all(type(n) is int and n >= 0 for n in offsets) or not len(offsets) == len(shape) == len(sizes_):
-                raise ValueError(f"the segment table of {data_file} places {str(fqn)[:80]!r} nowhere valid")
+            # The lengths keep the three lists apart; the types, because 1.0 and True hash as 1.
+            lists = entry[1] + entry[2] + entry[3]
+            key = (entry[0], len(entry[1]), len(entry[2]), *lists, *map(type, lists))
+            try:
+                found = known.get(key)
+            except TypeError:  # an unhashable dtype or size: refused by the check below
+                found = None
+            if found is None:
+                found = known[key] = _piece_facts(fqn, entry, data_file)
+            whole, offsets, sizes_, want, sums = found
             trio = segs.get(fqn)
             if trio is None:
                 raise ValueError(f"the segment table of {data_file} has no segments for {str(fqn)[:80]!r}")
-            want = math.prod(sizes_) * dtype.itemsize
-            if trio["data"].length != want or (trio["head"].xxh3_64, trio["tail"].xxh3_64) != skeleton_sums(
-                sizes_, dtype
-            ):
+            if trio["data"].length != want or (trio["head"].xxh3_64, trio["tail"].xxh3_64) != sums:
                 raise ValueError(f"{str(fqn)[:80]!r}: the segment table's size or dtype is not the one its data has")
-            known = saved.get(fqn)
-            if known is None:
+            held = pieces.get(fqn)
+            if held is None:
                 saved[fqn] = whole
-                pieces[fqn] = []
+                held = pieces[fqn] = []
                 covered[fqn] = 0
-            elif known != whole:
+            elif saved[fqn] != whole:
                 raise ValueError(f"ranks disagree about the shape or dtype of {fqn}")
-            if any(o + n > m for o, n, m in zip(offsets, sizes_, shape, strict=True)):
-                raise ValueError(f"a piece of {str(fqn)[:80]!r} lies outside the tensor")
-            held = pieces[fqn]
-            if any(p.offsets == offsets for p in held):
+            elif any(p.offsets == offsets for p in held):
                 raise ValueError(f"two pieces of {fqn} start at {list(offsets)}")
             held.append(Stored(offsets, sizes_, data_file, trio))
             covered[fqn] += math.prod(sizes_)
@@ -618,11 +631,14 @@ def read_pieces(
     verify: bool = True,
     threads: int = 2,
     before_write: Callable[[str, int, int], None] | None = None,
+    back_up_whole: Callable[[list[str]], None] | None = None,
 ) -> None:
     """Read every planned piece into its destination, checking each segment before its bytes are used.
 
     ``before_write(fqn, 0, nbytes)`` is called once per destination tensor before it is first
-    written (the loader backs it up there).
+    written (the loader backs it up there). With ``back_up_whole``, destinations read whole from
+    a run of small pieces are backed up by one call per run instead (one bulk copy, not a call
+    and a lock per tensor).
     """
     backed: set[str] = set()
     lock = threading.Lock()
@@ -671,9 +687,13 @@ def read_pieces(
             views = [buf[seg.offset - start : seg.offset - start + seg.length]
                      for read in run for seg in (read.segs["head"], read.segs["data"], read.segs["tail"])]  # fmt: skip
             check_segments(f"{source.where}/{run[0].file}", [(read.fqn, read.segs) for read in run], views)
+        if back_up_whole is not None:
+            # Only destinations this one piece fills: no other reader thread writes into them.
+            back_up_whole([read.fqn for read in run if read.whole])
         for read in run:
             data = read.segs["data"]
-            backup(read)
+            if back_up_whole is None or not read.whole:
+                backup(read)
             piece = buf[data.offset - start : data.offset - start + data.length]
             if read.whole:
                 _borrowed_view(read.dest)[:] = piece  # a plain memory copy; read.dest outlives the view

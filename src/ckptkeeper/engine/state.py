@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointMismatchError, ConfigurationError, CorruptCheckpointError
 from .gcpause import paused_gc
@@ -298,6 +299,15 @@ def _loads_by_copying(model: nn.Module) -> bool:
         ):
             return False
     return True
+
+
+def _empty_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty_like(p, dtype=dtype)``; for a DTensor of that dtype, made from its local shard
+    and its own sharding spec (DTensor's dispatcher took ~35 us per call, a third of a second for
+    a 10,000-slot optimizer)."""
+    if isinstance(p, DTensor) and p.dtype == dtype:
+        return DTensor(torch.empty_like(p._local_tensor), p._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    return torch.empty_like(p, dtype=dtype)
 
 
 def _uses_fsdp1(model: nn.Module) -> bool:
@@ -800,7 +810,7 @@ class TrainingState:
             for rest, info in slots.items():
                 dtype = info.dtype or torch.float32
                 if info.shape == _shape(p) and p.dim() > 0:
-                    t = torch.empty_like(p, dtype=dtype)  # the parameter's device and sharding (DTensor)
+                    t = _empty_like(p, dtype)  # the parameter's device and sharding (DTensor)
                 else:
                     t = torch.empty(info.shape, dtype=dtype)  # load_state_dict moves it where it belongs
                 _put(sub, _split_rest(node, rest), t)
