@@ -114,9 +114,11 @@ def layout_name(rank: int) -> str:
     return f"{MODEL_DIR}/.ckptkeeper-layout-{rank}.json"
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One piece of one tensor that this rank holds: the whole tensor, or its local shard."""
+class Piece(NamedTuple):
+    """One piece of one tensor that this rank holds: the whole tensor, or its local shard.
+
+    (A named tuple: a save of many small tensors makes one per tensor.)
+    """
 
     fqn: str
     path: tuple[str, ...]
@@ -144,29 +146,35 @@ def _plain_placements(placements: Any) -> bool:
 def _region(value: Any, world: int) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
     """(local data, global offsets, global shape) of a leaf; None when this path cannot take it."""
     if isinstance(value, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        if not _plain_placements(value.placements) or value.device_mesh.size() != world:
-            return None
         local = value._local_tensor  # to_local() runs an autograd function per tensor; only read here
-        mesh = value.device_mesh
-        # What the local box depends on: the global shape, the mesh's shape, this rank's place in it.
-        key = (tuple(value.shape), tuple(mesh.shape), tuple(mesh.get_coordinate() or ()), tuple(value.placements))
-        found = _REGIONS.get(key)
+        # The box depends only on the sharding spec (global shape, mesh, this rank's place in it,
+        # placements), whose hash DTensor caches: one look-up per tensor instead of asking the
+        # mesh for its size, shape and coordinate each time (~13 us, 0.15 s at 12,000 tensors).
+        spec = value._spec
+        found = _REGIONS.get((spec, world))
         if found is None:
             if len(_REGIONS) > 4096:
                 _REGIONS.clear()
-            # Optimizer state shares its parameter's shape and placements: computed once per kind.
-            found = _REGIONS[key] = compute_local_shape_and_global_offset(
-                value.shape, value.device_mesh, value.placements
-            )
-        shape, offsets = found
-        if tuple(local.shape) != tuple(shape):
+            found = _REGIONS[(spec, world)] = _box(value, world)
+        if found is _NO_BOX or tuple(local.shape) != found[0]:
             return None
-        return local, tuple(int(o) for o in offsets), tuple(int(n) for n in value.shape)
+        return local, found[1], found[2]
     if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
         return None
     return value, (0,) * value.dim(), tuple(int(n) for n in value.shape)
+
+
+_NO_BOX = ((), (), ())
+
+
+def _box(value: DTensor, world: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offsets, global shape) of a DTensor's local shard; _NO_BOX when unplaceable."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not _plain_placements(value.placements) or value.device_mesh.size() != world:
+        return _NO_BOX
+    shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return tuple(int(n) for n in shape), tuple(int(o) for o in offsets), tuple(int(n) for n in value.shape)
 
 
 def _usable(t: torch.Tensor) -> bool:
