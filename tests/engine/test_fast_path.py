@@ -117,6 +117,32 @@ def test_cuda_tensors_are_staged_in_pinned_memory(tmp_path: Path) -> None:
     ckpt.close()
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: staged DTensor shards stay in host memory"
+)
+def test_staged_cuda_dtensor_shards_stay_in_host_memory() -> None:
+    # The async writer sees the staged copy of a CUDA DTensor; rebuilt with from_local() it went
+    # back onto the GPU (a device copy per tensor, in the background thread).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from ckptkeeper.engine.staging import Stager
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        live = distribute_tensor(torch.randn(8, 4, device="cuda"), mesh, [Shard(0)])
+        staged = Stager().stage_lazily({"w": live})()["w"]
+        assert isinstance(staged, DTensor) and staged._local_tensor.device.type == "cpu"
+        assert torch.equal(staged._local_tensor, live._local_tensor.cpu())
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
 def test_checkpoints_with_the_layout_inline_in_the_record_still_load(tmp_path: Path) -> None:
     # What 0.2 wrote: the segment table inside the commit record, no file of its own.
     import json
@@ -287,7 +313,7 @@ def test_the_piece_reader_backs_a_tensor_up_before_any_piece_is_written() -> Non
         at = row * 24
         segs = {"head": Segment("head", "w", at, 16, ""), "data": Segment("data", "w", at + 16, 8, ""),
                 "tail": Segment("tail", "w", at + 24, 0, "")}  # fmt: skip
-        return _Read("w", dest, f"f{row}", segs, (row, 0), (1, 2), (0, 0), (row, 0), (row + 1, 2))
+        return _Read.make("w", dest, f"f{row}", segs, (row, 0), (1, 2), (0, 0), (row, 0), (row + 1, 2))
 
     seen: list[torch.Tensor] = []
     started = threading.Event()

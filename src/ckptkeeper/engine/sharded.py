@@ -535,8 +535,8 @@ class RemoteSource:
 class _Read(NamedTuple):
     """One stored piece to read for one destination: its segments and the overlap to copy.
 
-    A named tuple: a load of many small tensors plans one per piece, and a frozen dataclass was
-    several times dearer to build.
+    A named tuple whose derived facts are worked out once (:meth:`make`): a load of many small
+    tensors plans one per piece and looks at each several times.
     """
 
     fqn: str
@@ -550,15 +550,27 @@ class _Read(NamedTuple):
     lo: tuple[int, ...]
     hi: tuple[int, ...]
     """The overlap, in global coordinates: [lo, hi) on each dimension."""
+    whole: bool
+    """Whether the piece is exactly the destination (read straight into it)."""
+    span: tuple[int, int]
+    """The piece's bytes in its file (head to tail)."""
 
-    @property
-    def whole(self) -> bool:
-        """Whether the piece is exactly the destination (read straight into it)."""
-        return self.piece_offsets == self.dest_offsets and self.piece_sizes == tuple(self.dest.shape)
-
-    @property
-    def span(self) -> tuple[int, int]:
-        return self.segs["head"].offset, self.segs["tail"].offset + self.segs["tail"].length
+    @classmethod
+    def make(
+        cls,
+        fqn: str,
+        dest: torch.Tensor,
+        file: str,
+        segs: Mapping[str, Segment],
+        piece_offsets: tuple[int, ...],
+        piece_sizes: tuple[int, ...],
+        dest_offsets: tuple[int, ...],
+        lo: tuple[int, ...],
+        hi: tuple[int, ...],
+    ) -> _Read:
+        whole = piece_offsets == dest_offsets and piece_sizes == tuple(dest.shape)
+        span = (segs["head"].offset, segs["tail"].offset + segs["tail"].length)
+        return cls(fqn, dest, file, segs, piece_offsets, piece_sizes, dest_offsets, lo, hi, whole, span)
 
 
 def _overlap(
@@ -595,11 +607,11 @@ def plan_reads(tensors: Mapping[str, Any], index: PieceIndex, world: int, where:
             if c_off == offsets and c_size == dest_sizes:
                 # The common case (the same world size): the piece is the destination.
                 end = tuple(o + n for o, n in zip(c_off, c_size, strict=True))
-                found.append(_Read(fqn, local, file, segs, c_off, c_size, offsets, c_off, end))
+                found.append(_Read.make(fqn, local, file, segs, c_off, c_size, offsets, c_off, end))
                 continue
             ov = _overlap(c_off, c_size, offsets, dest_sizes)
             if ov is not None:
-                found.append(_Read(fqn, local, file, segs, c_off, c_size, offsets, ov[0], ov[1]))
+                found.append(_Read.make(fqn, local, file, segs, c_off, c_size, offsets, ov[0], ov[1]))
         if len(found) == 1 and found[0].whole:
             reads.append(found[0])
             continue

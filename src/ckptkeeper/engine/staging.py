@@ -103,14 +103,12 @@ class Stager:
             elif isinstance(value, torch.Tensor):
                 buf = self._buffers[path]
                 if isinstance(value, DTensor):
-                    out[key] = DTensor.from_local(
-                        buf,
-                        value.device_mesh,
-                        value.placements,
-                        run_check=False,
-                        shape=value.shape,
-                        stride=value.stride(),
-                    )
+                    # The staged shard under the live tensor's own sharding spec. DTensor.from_local
+                    # would move a CPU buffer back onto a CUDA mesh's device (undoing the staging,
+                    # in the background thread) and cost an autograd call and a new spec per
+                    # tensor (a quarter of a background save at 10,000 tensors). The writers only
+                    # read the spec and the local bytes.
+                    out[key] = DTensor(buf, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
                 else:
                     out[key] = buf
             else:
