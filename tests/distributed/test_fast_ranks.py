@@ -143,3 +143,7 @@ def test_multi_rank_loads_plan_from_the_segment_tables_and_check_them(saved: Pat
     for value in out:
         assert value["error"] == "CorruptCheckpointError" and value["unchanged"], value
     assert not marker.exists()
+
+
+def test_the_quick_model_state_dict_is_dcps_on_an_fsdp2_model(tmp_path: Path) -> None:
+    assert _ok(run_ranks(2, workers.compare_model_state_dicts, out=tmp_path / "o")) == [True, True]

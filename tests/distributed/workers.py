@@ -206,3 +206,20 @@ def load_wide(rank: int, path: str, reference: str) -> dict[str, Any]:
         "fetched": load["fetched"],
         "bytes": load["bytes"],
     }
+
+
+def compare_model_state_dicts(rank: int) -> bool:
+    """Whether ckptkeeper's quick model state dict is DCP's on an FSDP2 model, tensor for tensor."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from ckptkeeper.engine.state import _loads_by_copying, model_state_dict
+
+    model, _ = _wide(seed=0)
+    ours, dcps = model_state_dict(model), get_model_state_dict(model)
+    same = list(ours) == list(dcps) and _loads_by_copying(model)
+    for key, value in ours.items():
+        other = dcps[key]
+        same = same and type(value) is type(other) is DTensor and not value.requires_grad
+        same = same and value._spec == other._spec and value._local_tensor.data_ptr() == other._local_tensor.data_ptr()
+    return same

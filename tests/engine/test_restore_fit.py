@@ -513,6 +513,7 @@ def test_the_quick_model_state_dict_is_dcps_for_wrapped_models() -> None:
             ours, dcps = model_state_dict(model), get_model_state_dict(model)
             assert list(ours) == list(dcps)
             assert all(torch.equal(ours[k], dcps[k]) and ours[k].data_ptr() == dcps[k].data_ptr() for k in ours)
+            assert all(type(ours[k]) is type(dcps[k]) and not ours[k].requires_grad for k in ours)
     # torch.compile's prefix is in the module's own keys and not in the checkpoint's names.
     assert any("_orig_mod" in k for k in models[1].state_dict())
     assert not any("_orig_mod" in k for k in model_state_dict(models[1]))

@@ -609,6 +609,8 @@ def plan_reads(tensors: Mapping[str, Any], index: PieceIndex, world: int, where:
                 end = tuple(o + n for o, n in zip(c_off, c_size, strict=True))
                 found.append(_Read.make(fqn, local, file, segs, c_off, c_size, offsets, c_off, end))
                 continue
+            if c_off and (c_off[0] >= offsets[0] + dest_sizes[0] or offsets[0] >= c_off[0] + c_size[0]):
+                continue  # apart on the first dimension (another rank's rows): the usual miss, told cheaply
             ov = _overlap(c_off, c_size, offsets, dest_sizes)
             if ov is not None:
                 found.append(_Read.make(fqn, local, file, segs, c_off, c_size, offsets, ov[0], ov[1]))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .state import flatten_tensors
+from .state import _dtensor, flatten_tensors
 
 __all__ = ["Stager"]
 
@@ -108,7 +108,7 @@ class Stager:
                     # in the background thread) and cost an autograd call and a new spec per
                     # tensor (a quarter of a background save at 10,000 tensors). The writers only
                     # read the spec and the local bytes.
-                    out[key] = DTensor(buf, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+                    out[key] = _dtensor(buf, value._spec)
                 else:
                     out[key] = buf
             else:
