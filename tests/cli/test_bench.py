@@ -72,6 +72,8 @@ def test_bench_at_two_ranks_compares_with_dcp(tmp_path: Path) -> None:
     for key in ("save_vs_dcp", "load_vs_dcp", "async_blocked_vs_dcp"):
         assert report["ratios"][key] > 0, key
     assert 45 <= report["tensors"] <= 55
+    # Each parameter, its two AdamW moments and its step: about four tensors per parameter in all.
+    assert 3.5 * report["tensors"] <= report["checkpoint_tensors"] <= 4 * report["tensors"]
     assert report["state_bytes"] >= 3 * (2 << 20) * 0.9
     for key in ("ours_save_s", "ours_load_cold_s", "ours_async_blocked_s", "dcp_save_s", "dcp_load_cold_s"):
         assert report["medians_s"][key] > 0, key

@@ -146,10 +146,11 @@ def build_state(
     return model, optimizer, {"tensors": count, "layers": layers, "width": width, "model_bytes": model_bytes}
 
 
-def _global_bytes(state: TrainingState) -> int:
-    """Bytes of every tensor a checkpoint of ``state`` holds (DTensors counted whole, once)."""
+def _global_bytes(state: TrainingState) -> tuple[int, int]:
+    """(bytes, tensors) of everything a checkpoint of ``state`` holds (DTensors counted whole, once)."""
     tensors, _ = state.capture()
-    return sum(t.numel() * t.element_size() for _, t in flatten_tensors(tensors))
+    leaves = [t for _, t in flatten_tensors(tensors)]
+    return sum(t.numel() * t.element_size() for t in leaves), len(leaves)
 
 
 # ---------------------------------------------------------------- measuring
@@ -213,7 +214,7 @@ def _measure(args: argparse.Namespace, root: str, base: str) -> dict[str, Any]:
     tensors = DEFAULT_TENSORS if args.tensors is None else args.tensors
     model, optimizer, shape = build_state(args.model_mib, tensors, args.device)
     state = TrainingState(model, optimizer)
-    state_bytes = _global_bytes(state)
+    state_bytes, shape["checkpoint_tensors"] = _global_bytes(state)
     # Object-store spools (uploads and downloads) go under the benchmark's own folder, so that
     # nothing is left behind in the system temp folder.
     ours = Checkpointer(spool_dir=root)
@@ -343,7 +344,8 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
         return
     print(
         f"state: {report['state_bytes'] / 1e9:.2f} GB ({report['model_bytes'] / 2**20:.0f} MiB model in "
-        f"{report['tensors']} tensors + 2x AdamW state), FSDP2 over {report['world_size']} ranks "
+        f"{report['tensors']} tensors + 2x AdamW state; {report['checkpoint_tensors']} tensors in all), "
+        f"FSDP2 over {report['world_size']} ranks "
         f"({report['backend']}), {report['repeats']} repeats; times are the slowest rank's"
     )
     if "dcp" in report:
