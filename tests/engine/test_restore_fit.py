@@ -548,3 +548,22 @@ def test_a_model_with_its_own_load_hooks_still_gets_them_called(tmp_path: Path) 
         ck.load(res.path, st)
         assert state_digest(model) == before
         assert calls == want
+
+
+def test_a_model_whose_state_dict_hands_out_copies_is_still_loaded(tmp_path: Path) -> None:
+    # Tensors read "in place" are copies here: the load must still go through load_state_dict.
+    class Copying(nn.Sequential):
+        def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+            return {k: v.detach().clone() for k, v in super().state_dict(*args, **kwargs).items()}
+
+    torch.manual_seed(0)
+    model = Copying(nn.Linear(3, 3), nn.Linear(3, 2))
+    st = TrainingState(model)
+    ck = Checkpointer()
+    res = ck.save(str(tmp_path), 1, st)
+    before = state_digest(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ck.load(res.path, st)
+    assert state_digest(model) == before

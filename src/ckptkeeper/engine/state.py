@@ -248,8 +248,8 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     with the answers :func:`_canonical_fqn` keeps. FSDP1 models, and models whose state dict is empty
     (DCP's error names the problem), go to DCP's own function.
     """
-    if _uses_fsdp1(model):
-        return get_model_state_dict(model)
+    if _uses_fsdp1(model) or type(model).state_dict is not nn.Module.state_dict:
+        return get_model_state_dict(model)  # an own state_dict() may not take keep_vars
     with paused_gc():
         # keep_vars, then detached here: a DTensor's detach() goes through DTensor's dispatcher
         # (~20 us); rewrapping its detached shard under its own spec gives the same tensor.
@@ -294,6 +294,7 @@ def _loads_by_copying(model: nn.Module) -> bool:
         if (
             cls._load_from_state_dict is not nn.Module._load_from_state_dict
             or cls._save_to_state_dict is not nn.Module._save_to_state_dict
+            or cls.state_dict is not nn.Module.state_dict
             or m._state_dict_hooks
             or not _known_hooks(m._load_state_dict_pre_hooks)
             or not _known_hooks(m._load_state_dict_post_hooks)
