@@ -147,3 +147,11 @@ def test_multi_rank_loads_plan_from_the_segment_tables_and_check_them(saved: Pat
 
 def test_the_quick_model_state_dict_is_dcps_on_an_fsdp2_model(tmp_path: Path) -> None:
     assert _ok(run_ranks(2, workers.compare_model_state_dicts, out=tmp_path / "o")) == [True, True]
+
+
+def test_checkpoint_names_follow_a_swapped_submodule(tmp_path: Path) -> None:
+    # Found by an outside attack: names kept per model went stale when a DDP child was replaced
+    # by another module under the same attribute, and saves then used keys DCP does not.
+    ((first, ours, dcps),) = _ok(run_ranks(1, workers.names_after_a_swap, out=tmp_path / "o"))
+    assert first == ["enc.weight", "enc.bias"]
+    assert ours == dcps == ["enc.module.weight", "enc.module.bias"]

@@ -223,3 +223,25 @@ def compare_model_state_dicts(rank: int) -> bool:
         same = same and type(value) is type(other) is DTensor and not value.requires_grad
         same = same and value._spec == other._spec and value._local_tensor.data_ptr() == other._local_tensor.data_ptr()
     return same
+
+
+class _Holder(nn.Module):
+    """A user's own wrapper that keeps its inner module as ``.module``, as DDP does."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+
+def names_after_a_swap(rank: int) -> list[list[str]]:
+    """Checkpoint names of a model whose DDP child is swapped for a look-alike, ours then DCP's."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ckptkeeper.engine.state import model_state_dict
+
+    top = nn.Module()
+    top.enc = DDP(nn.Linear(4, 4))
+    first = list(model_state_dict(top))  # DDP's "module." is not part of the names
+    top.enc = _Holder(nn.Linear(4, 4))  # same attribute names, but "module" is now a real part
+    return [first, list(model_state_dict(top)), list(get_model_state_dict(top))]

@@ -567,3 +567,38 @@ def test_a_model_whose_state_dict_hands_out_copies_is_still_loaded(tmp_path: Pat
             p.add_(1.0)
     ck.load(res.path, st)
     assert state_digest(model) == before
+
+
+def test_tensor_extra_state_is_applied_by_the_load(tmp_path: Path) -> None:
+    # Found by an outside attack: get_extra_state() returning a tensor (as Transformer Engine's
+    # fp8 modules do) was read into that throwaway copy and set_extra_state() never called.
+    class Scaled(nn.Linear):
+        def __init__(self, scale: float) -> None:
+            super().__init__(4, 4)
+            self.scale = scale
+
+        def get_extra_state(self) -> torch.Tensor:
+            return torch.tensor([self.scale])
+
+        def set_extra_state(self, state: Any) -> None:
+            self.scale = float(state[0])
+
+    ck = Checkpointer()
+    res = ck.save(str(tmp_path), 1, TrainingState(nn.Sequential(Scaled(3.0))))
+    loaded = nn.Sequential(Scaled(1.0))
+    ck.load(res.path, TrainingState(loaded))
+    assert loaded[0].scale == 3.0
+
+
+def test_names_kept_for_a_model_do_not_keep_it_alive() -> None:
+    import gc
+    import weakref
+
+    from ckptkeeper.engine.state import model_state_dict
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model_state_dict(model)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

@@ -209,19 +209,34 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)  # a DTensor's shape is the global one, as DCP's metadata records
 
 
-_NAMES: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+_NAMES: weakref.WeakKeyDictionary[nn.Module, tuple[list[tuple[Any, type]], dict[str, str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _canonical_fqn(model: nn.Module, name: str) -> str:
+def _names_of(model: nn.Module) -> dict[str, str]:
+    """The checkpoint names kept for ``model``'s names, while its modules stay the same objects of
+    the same classes (a name's answer depends on the wrappers along it: swapping a submodule for
+    a DDP or compiled one under the same attribute changes it without changing the name)."""
+    modules = list(model.modules())
+    kept = _NAMES.get(model)
+    # Weak references: the entry must not keep the model (its own key) or a swapped-out module
+    # alive, and a dead one never compares equal to a new module at the same address.
+    if (
+        kept is None
+        or len(kept[0]) != len(modules)
+        or any(ref() is not m or cls is not type(m) for (ref, cls), m in zip(kept[0], modules, strict=True))
+    ):
+        kept = _NAMES[model] = ([(weakref.ref(m), type(m)) for m in modules], {})
+    return kept[1]
+
+
+def _canonical_fqn(model: nn.Module, name: str, names: dict[str, str] | None = None) -> str:
     # DCP names parameters without wrapper prefixes (torch.compile's _orig_mod, activation
     # checkpointing, DDP's module); the optimizer's keys must match the model's, so ask DCP's own
-    # helper. It walks the modules along the name (a getattr per part, ~30 us a name), so each
-    # answer is kept per model: a name depends only on the wrappers along it, and wrapping a
-    # module later (compile, DDP, checkpointing) changes the names themselves.
-    names = _NAMES.get(model)
-    if names is None:
-        names = _NAMES[model] = {}
-    found = names.get(name)
+    # helper. It walks the modules along the name (a getattr per part, ~30 us a name), so the
+    # answers are kept (``names``, from :func:`_names_of`) while the modules stay the same.
+    found = names.get(name) if names is not None else None
     if found is not None:
         return found
     try:
@@ -231,13 +246,16 @@ def _canonical_fqn(model: nn.Module, name: str) -> str:
     fqns = _get_fqns(model, name)
     if len(fqns) != 1:  # pragma: no cover - FSDP1 flat parameters take the DCP route instead
         raise ConfigurationError(f"parameter {name} stands for {len(fqns)} parameters; ckptkeeper cannot key it")
-    found = names[name] = next(iter(fqns))
+    found = next(iter(fqns))
+    if names is not None:
+        names[name] = found
     return found
 
 
 def _param_fqns(model: nn.Module) -> dict[torch.Tensor, str]:
     """Each parameter of ``model`` (tied ones once, as DCP does) with its checkpoint name."""
-    return {p: _canonical_fqn(model, name) for name, p in model.named_parameters()}
+    names = _names_of(model)
+    return {p: _canonical_fqn(model, name, names) for name, p in model.named_parameters()}
 
 
 def model_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -256,7 +274,8 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
         sd = {key: _detached(value) for key, value in model.state_dict(keep_vars=True).items()}
         if not sd:
             return get_model_state_dict(model)
-        renamed = {key: fqn for key in sd if (fqn := _canonical_fqn(model, key)) != key}
+        names = _names_of(model)
+        renamed = {key: fqn for key in sd if (fqn := _canonical_fqn(model, key, names)) != key}
         if not renamed:
             return sd
         # DCP pops each renamed key and puts it back under its new name: those come last.
@@ -295,6 +314,9 @@ def _loads_by_copying(model: nn.Module) -> bool:
             cls._load_from_state_dict is not nn.Module._load_from_state_dict
             or cls._save_to_state_dict is not nn.Module._save_to_state_dict
             or cls.state_dict is not nn.Module.state_dict
+            # Extra state is handed out by get_extra_state() (a tensor is read into that copy)
+            # and only applied by set_extra_state() inside load_state_dict.
+            or cls.set_extra_state is not nn.Module.set_extra_state
             or m._state_dict_hooks
             or not _known_hooks(m._load_state_dict_pre_hooks)
             or not _known_hooks(m._load_state_dict_post_hooks)
