@@ -74,6 +74,7 @@ from .fastio import (
     write_items,
     write_synced,
 )
+from .gcpause import paused_gc
 from .record import FileEntry
 from .state import SavedTensor
 
@@ -204,6 +205,11 @@ def local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[P
     The signature covers the replicated (plain) tensors: their writers are chosen from that list,
     so it must be the same list everywhere.
     """
+    with paused_gc():  # an object or two per tensor, in a background save too
+        return _local_pieces(tree, rank, world)
+
+
+def _local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[Piece], str] | None:
     regions = []
     leaves = _leaves(tree)
     check_names(leaves)
@@ -249,20 +255,25 @@ def write_shard(
     Returns the files written (relative to the checkpoint) and what rank 0 needs of each piece
     to write DCP's metadata. With ``sink`` the data file is streamed there (object stores).
     """
-    mine = [p for p in pieces if p.writer]
-    tensors = [(p.fqn, exact(p.tensor)) for p in mine]
+    # The collector is paused while the per-piece tables are built (a background save runs here
+    # too: its pauses are kept to the table building, never around the writes).
+    with paused_gc():
+        mine = [p for p in pieces if p.writer]
+        tensors = [(p.fqn, exact(p.tensor)) for p in mine]
     name = shard_name(rank)
     entry, segments, starts = write_items(os.path.join(model_dir, name), tensors, threads, sink)
-    entries: list[PieceEntry] = []
-    for i, (p, (_, t), start) in enumerate(zip(mine, tensors, starts, strict=True)):
-        length = sum(s.length for s in segments[3 * i : 3 * i + 3])
-        entries.append((p.fqn, p.path, p.global_shape, t.dtype, p.offsets, tuple(t.shape), start, length))
-    # Where each piece sits in its tensor rides along: loads plan from these tables and need not
-    # decode DCP's metadata (every piece of every rank, thousands of pickled objects).
-    placed = {e[0]: [str(e[3]), list(e[2]), list(e[4]), list(e[5])] for e in entries}
-    table = {f"{MODEL_DIR}/{name}": segments, PIECES_KEY: placed}
+    with paused_gc():
+        entries: list[PieceEntry] = []
+        for i, (p, (_, t), start) in enumerate(zip(mine, tensors, starts, strict=True)):
+            h, d, tl = segments[3 * i : 3 * i + 3]
+            entries.append((p.fqn, p.path, p.global_shape, t.dtype, p.offsets, tuple(t.shape), start,
+                            h.length + d.length + tl.length))  # fmt: skip
+        # Where each piece sits in its tensor rides along: loads plan from these tables and need
+        # not decode DCP's metadata (every piece of every rank, thousands of pickled objects).
+        placed = {e[0]: [str(e[3]), list(e[2]), list(e[4]), list(e[5])] for e in entries}
+        encoded = json.dumps({f"{MODEL_DIR}/{name}": segments, PIECES_KEY: placed}).encode()
     layout = os.path.join(os.path.dirname(model_dir), layout_name(rank))
-    files = {f"{MODEL_DIR}/{name}": entry, layout_name(rank): write_synced(layout, json.dumps(table).encode())}
+    files = {f"{MODEL_DIR}/{name}": entry, layout_name(rank): write_synced(layout, encoded)}
     return files, entries
 
 
@@ -455,7 +466,8 @@ def metadata_bytes(per_rank: list[list[PieceEntry]]) -> bytes:
     key = tuple(tuple(entries) for entries in per_rank)
     found = _METADATA_BYTES.get(key)
     if found is None:
-        found = dumps_metadata(build_metadata(per_rank))
+        with paused_gc():
+            found = dumps_metadata(build_metadata(per_rank))
         if len(_METADATA_BYTES) >= 2:
             _METADATA_BYTES.clear()
         _METADATA_BYTES[key] = found
