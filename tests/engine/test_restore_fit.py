@@ -602,3 +602,18 @@ def test_names_kept_for_a_model_do_not_keep_it_alive() -> None:
     del model
     gc.collect()
     assert gone() is None
+
+
+def test_a_model_holding_an_fsdp1_wrapper_anywhere_is_told_apart() -> None:
+    # FSDP1 needs an accelerator to build here; an instance of the class is what the scan looks for
+    # (its flat parameters take DCP's own conversions, not the quick state dict).
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from ckptkeeper.engine.state import _uses_fsdp1
+
+    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(wrapper)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU()))
+    assert not _uses_fsdp1(model)
+    model[1].add_module("inner", wrapper)
+    assert _uses_fsdp1(model)

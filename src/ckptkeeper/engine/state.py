@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import logging
 import weakref
 from collections.abc import Iterator, Mapping
@@ -349,12 +350,21 @@ def _empty_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(p, dtype=dtype)
 
 
+# Older torch also had a composable FSDP1 (``torch.distributed._composable.fully_shard``), which
+# leaves no wrapper to find: only DCP's own traversal sees it there.
+_COMPOSABLE_FSDP1 = importlib.util.find_spec("torch.distributed._composable.fully_shard") is not None
+
+
 def _uses_fsdp1(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
         return False
-    return bool(FullyShardedDataParallel.fsdp_modules(model))
+    if _COMPOSABLE_FSDP1:  # pragma: no cover - torch < 2.6
+        return bool(FullyShardedDataParallel.fsdp_modules(model))
+    # A scan for the wrapper class: DCP's traversal asks every module for composable state
+    # (a tenth of planning a 10,000-tensor load, asked several times per load).
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
 def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
