@@ -519,6 +519,17 @@ def test_the_quick_model_state_dict_is_dcps_for_wrapped_models() -> None:
     assert not any("_orig_mod" in k for k in model_state_dict(models[1]))
 
 
+def _assert_a_perturbed_model_loads_back(ck: Checkpointer, st: TrainingState, folder: Path) -> None:
+    """Save, change every parameter, load: the model must be exactly as saved."""
+    res = ck.save(str(folder), 1, st)
+    before = state_digest(st.model)
+    with torch.no_grad():
+        for p in st.model.parameters():
+            p.add_(1.0)
+    ck.load(res.path, st)
+    assert state_digest(st.model) == before
+
+
 def test_a_model_with_its_own_load_hooks_still_gets_them_called(tmp_path: Path) -> None:
     # The load skips load_state_dict when it would only copy tensors onto themselves; a module
     # that does more (a hook, its own _load_from_state_dict) must still get its call.
@@ -540,13 +551,7 @@ def test_a_model_with_its_own_load_hooks_still_gets_them_called(tmp_path: Path) 
     for model, want in ((plain, []), (hooked, ["hook"]), (own, ["own"])):
         calls.clear()
         st = TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        res = ck.save(str(tmp_path / type(model[0]).__name__ / str(len(want))), 1, st)
-        before = state_digest(model)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-        ck.load(res.path, st)
-        assert state_digest(model) == before
+        _assert_a_perturbed_model_loads_back(ck, st, tmp_path / type(model[0]).__name__ / str(len(want)))
         assert calls == want
 
 
@@ -558,15 +563,7 @@ def test_a_model_whose_state_dict_hands_out_copies_is_still_loaded(tmp_path: Pat
 
     torch.manual_seed(0)
     model = Copying(nn.Linear(3, 3), nn.Linear(3, 2))
-    st = TrainingState(model)
-    ck = Checkpointer()
-    res = ck.save(str(tmp_path), 1, st)
-    before = state_digest(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    ck.load(res.path, st)
-    assert state_digest(model) == before
+    _assert_a_perturbed_model_loads_back(Checkpointer(), TrainingState(model), tmp_path)
 
 
 def test_tensor_extra_state_is_applied_by_the_load(tmp_path: Path) -> None:
