@@ -155,3 +155,7 @@ def test_checkpoint_names_follow_a_swapped_submodule(tmp_path: Path) -> None:
     ((first, ours, dcps),) = _ok(run_ranks(1, workers.names_after_a_swap, out=tmp_path / "o"))
     assert first == ["enc.weight", "enc.bias"]
     assert ours == dcps == ["enc.module.weight", "enc.module.bias"]
+    # A second attack: the same module objects re-bound under each other's names.
+    ((ours, dcps),) = _ok(run_ranks(1, workers.names_after_rebinding, out=tmp_path / "o2"))
+    assert ours == dcps
+    assert set(ours) == {"b.weight", "b.bias", "a.module.weight", "a.module.bias"}

@@ -245,3 +245,19 @@ def names_after_a_swap(rank: int) -> list[list[str]]:
     first = list(model_state_dict(top))  # DDP's "module." is not part of the names
     top.enc = _Holder(nn.Linear(4, 4))  # same attribute names, but "module" is now a real part
     return [first, list(model_state_dict(top)), list(get_model_state_dict(top))]
+
+
+def names_after_rebinding(rank: int) -> list[list[str]]:
+    """Checkpoint names after the same module objects are re-bound under each other's names."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ckptkeeper.engine.state import model_state_dict
+
+    top = nn.Module()
+    ddp, holder = DDP(nn.Linear(4, 4)), _Holder(nn.Linear(4, 4))
+    top.a, top.b = ddp, holder
+    model_state_dict(top)
+    del top.a, top.b
+    top.b, top.a = ddp, holder  # the same objects, in the same order, under swapped names
+    return [list(model_state_dict(top)), list(get_model_state_dict(top))]

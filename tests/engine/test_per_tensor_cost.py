@@ -462,3 +462,23 @@ def test_piece_tables_are_checked_entry_by_entry_even_where_entries_repeat(tmp_p
             index_from_tables(forged(change), sizes)
     # A valid entry repeated across tensors is still taken (the memo serves it).
     assert len(index_from_tables(forged(lambda pieces: None), sizes).pieces) == 7
+
+
+def test_thresholds_set_during_a_pause_are_the_users_to_keep() -> None:
+    # A second attack: gc.set_threshold(0, 50, 50) (collections off) made on another thread while a
+    # background save held the pause was undone when the pause ended.
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        with paused_gc():
+            gc.set_threshold(0, 50, 50)
+        assert gc.get_threshold() == (0, 50, 50)
+        with paused_gc():
+            pass
+        assert gc.get_threshold() == (0, 50, 50)  # off by choice: left off
+        gc.set_threshold(700, 10, 10)
+        with paused_gc():
+            assert gc.get_threshold()[0] == 0
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)

@@ -614,3 +614,50 @@ def test_a_model_holding_an_fsdp1_wrapper_anywhere_is_told_apart() -> None:
     assert not _uses_fsdp1(model)
     model[1].add_module("inner", wrapper)
     assert _uses_fsdp1(model)
+
+
+def test_no_names_are_kept_for_a_model_with_fqn_modifiers() -> None:
+    # A second attack: a module's _fqn_modifiers() may change DCP's names with no module changing
+    # (shown with DDP by the attacker); for such models every call asks DCP's helper afresh.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ckptkeeper.engine.state import _names_of, model_state_dict
+
+    class Shim(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+        def _fqn_modifiers(self) -> dict[str, str]:
+            return {}
+
+    plain, shimmed = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(Shim())
+    assert _names_of(plain) is not None and _names_of(shimmed) is None
+    assert list(model_state_dict(shimmed)) == list(get_model_state_dict(shimmed))
+
+
+def test_a_load_override_set_on_an_instance_is_run(tmp_path: Path) -> None:
+    # A second attack: torch calls an instance's own _load_from_state_dict; the quick in-place
+    # load looked at classes only and skipped it.
+    import types
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 2))
+        inner = model[0]
+        original = inner._load_from_state_dict
+
+        def doubled(self: nn.Module, sd: dict[str, Any], prefix: str, *args: Any) -> None:
+            sd[prefix + "weight"] = sd[prefix + "weight"] * 2  # a format conversion on load, say
+            original(sd, prefix, *args)
+
+        inner._load_from_state_dict = types.MethodType(doubled, inner)  # type: ignore[method-assign]
+        return model
+
+    src = make()
+    want = make()
+    want.load_state_dict({k: v.clone() for k, v in src.state_dict().items()})
+    ck = Checkpointer()
+    got = make()
+    ck.load(ck.save(str(tmp_path), 1, TrainingState(src)).path, TrainingState(got))
+    assert torch.equal(got[0].weight, want[0].weight) and not torch.equal(got[0].weight, src[0].weight)

@@ -32,18 +32,20 @@ __all__ = ["paused_gc"]
 _lock = threading.Lock()
 _holders = 0
 _saved: tuple[int, ...] | None = None
+_ours: tuple[int, ...] | None = None  # what the pause set: anything else found at the end is the user's
 
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """Run the block without automatic cyclic collections (re-entrant, thread-safe)."""
-    global _holders, _saved
+    global _holders, _saved, _ours
     with _lock:
         if _holders == 0:
             now = gc.get_threshold()
             _saved = now if now[0] != 0 else None  # zero already: collections are off by choice
             if _saved is not None:
-                gc.set_threshold(0, *now[1:])
+                _ours = (0, *now[1:])
+                gc.set_threshold(*_ours)
         _holders += 1
     try:
         yield
@@ -55,10 +57,12 @@ def paused_gc() -> Iterator[None]:
 
 
 def _resume() -> None:
-    global _saved
-    if _saved is not None and gc.get_threshold()[0] == 0:
+    global _saved, _ours
+    # Only the pause's own setting is undone: thresholds set meanwhile (by a user on another
+    # thread, e.g. gc.set_threshold(0, 50, 50) to turn collections off) are theirs to keep.
+    if _saved is not None and gc.get_threshold() == _ours:
         gc.set_threshold(*_saved)
-    _saved = None
+    _saved = _ours = None
 
 
 def _after_fork_in_child() -> None:

@@ -210,25 +210,31 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)  # a DTensor's shape is the global one, as DCP's metadata records
 
 
-_NAMES: weakref.WeakKeyDictionary[nn.Module, tuple[list[tuple[Any, type]], dict[str, str]]] = (
+_NAMES: weakref.WeakKeyDictionary[nn.Module, tuple[list[tuple[str, Any, type]], dict[str, str]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _names_of(model: nn.Module) -> dict[str, str]:
-    """The checkpoint names kept for ``model``'s names, while its modules stay the same objects of
-    the same classes (a name's answer depends on the wrappers along it: swapping a submodule for
-    a DDP or compiled one under the same attribute changes it without changing the name)."""
-    modules = list(model.modules())
+def _names_of(model: nn.Module) -> dict[str, str] | None:
+    """The checkpoint names kept for ``model``'s names, while each of its modules is the same
+    object of the same class under the same name (a name's answer depends on the module at each
+    part of it: a DDP or compiled one drops its part). None: nothing may be kept for this model
+    (a module's ``_fqn_modifiers()`` can change its answers with no module changing)."""
+    modules = list(model.named_modules(remove_duplicate=False))
+    if any(hasattr(type(m), "_fqn_modifiers") or "_fqn_modifiers" in m.__dict__ for _, m in modules):
+        return None
     kept = _NAMES.get(model)
     # Weak references: the entry must not keep the model (its own key) or a swapped-out module
     # alive, and a dead one never compares equal to a new module at the same address.
     if (
         kept is None
         or len(kept[0]) != len(modules)
-        or any(ref() is not m or cls is not type(m) for (ref, cls), m in zip(kept[0], modules, strict=True))
+        or any(
+            name != n or ref() is not m or cls is not type(m)
+            for (name, ref, cls), (n, m) in zip(kept[0], modules, strict=True)
+        )
     ):
-        kept = _NAMES[model] = ([(weakref.ref(m), type(m)) for m in modules], {})
+        kept = _NAMES[model] = ([(n, weakref.ref(m), type(m)) for n, m in modules], {})
     return kept[1]
 
 
@@ -267,7 +273,8 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     with the answers :func:`_canonical_fqn` keeps. FSDP1 models, and models whose state dict is empty
     (DCP's error names the problem), go to DCP's own function.
     """
-    if _uses_fsdp1(model) or type(model).state_dict is not nn.Module.state_dict:
+    own = type(model).state_dict is not nn.Module.state_dict or "state_dict" in model.__dict__
+    if own or _uses_fsdp1(model):
         return get_model_state_dict(model)  # an own state_dict() may not take keep_vars
     with paused_gc():
         # keep_vars, then detached here: a DTensor's detach() goes through DTensor's dispatcher
@@ -304,6 +311,13 @@ def _known_hooks(hooks: Mapping[Any, Any]) -> bool:
     return True
 
 
+_OWN_LOADING = frozenset(
+    ("load_state_dict", "state_dict", "_load_from_state_dict", "_save_to_state_dict", "set_extra_state")
+)
+# Tensors whose copy_ is a plain copy (a subclass may do more on copy_, which reading in place skips).
+_PLAIN = (torch.Tensor, nn.Parameter, DTensor)
+
+
 def _loads_by_copying(model: nn.Module) -> bool:
     """Whether ``load_state_dict`` of ``model`` only copies each tensor into the one its
     ``state_dict()`` returned (so tensors read into those need no load_state_dict at all)."""
@@ -312,7 +326,9 @@ def _loads_by_copying(model: nn.Module) -> bool:
     for m in model.modules():
         cls = type(m)
         if (
-            cls._load_from_state_dict is not nn.Module._load_from_state_dict
+            _OWN_LOADING.intersection(m.__dict__)  # set on the instance: torch calls those
+            or not all(type(t) in _PLAIN for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
+            or cls._load_from_state_dict is not nn.Module._load_from_state_dict
             or cls._save_to_state_dict is not nn.Module._save_to_state_dict
             or cls.state_dict is not nn.Module.state_dict
             # Extra state is handed out by get_extra_state() (a tensor is read into that copy)
