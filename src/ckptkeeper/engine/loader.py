@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from ..errors import CorruptCheckpointError
 from ..storage import is_url, storage_for
@@ -32,7 +31,7 @@ from ..storage.layout import MODEL_DIR, train_state_name
 from ..storage.local import open_regular
 from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, loads_bounded
 from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
-from .staging import Stager
+from .staging import Stager, local_shard
 from .state import CheckpointMismatchError, SavedTensor, flatten_tensors
 
 log = logging.getLogger(__name__)
@@ -177,14 +176,6 @@ _memmove_holding_gil = (
 )
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        return t  # the common case, without hasattr's cost (an exception inside) per tensor
-    if isinstance(t, DTensor):
-        return t._local_tensor  # to_local() runs an autograd function per tensor; only bytes are copied here
-    return t
-
-
 class Rollback:
     """Backs up destination tensors just before they are overwritten, and puts them back on failure.
 
@@ -201,7 +192,7 @@ class Rollback:
     def __init__(self, stager: Stager, tensors: Mapping[str, Any], incremental: bool = False) -> None:
         leaves = list(flatten_tensors(tensors))
         self._leaves = dict(leaves)
-        locals_ = [(name, _local(t)) for name, t in leaves]
+        locals_ = [(name, local_shard(t)) for name, t in leaves]
         # Allocating a buffer per tensor up front was a sixth of a 10,000-tensor load: without
         # ready stager buffers, backups are made when taken (runs of small tensors in one block).
         self._buffers = stager.existing_buffers_for_locals(locals_) or {}
@@ -218,14 +209,14 @@ class Rollback:
         with torch.no_grad():
             for name, t in self._leaves.items():
                 if not incremental or name in shared:
-                    self._buffer(name).copy_(_local(t).detach())
+                    self._buffer(name).copy_(local_shard(t).detach())
                     self._saved[name] = -1  # the whole tensor
 
     def _buffer(self, name: str) -> torch.Tensor:
         buf = self._buffers.get(name)
         if buf is None:
             # Same shape, dtype and strides as the tensor, so bytes and elements line up.
-            buf = self._buffers[name] = torch.empty_like(_local(self._leaves[name]), device="cpu")
+            buf = self._buffers[name] = torch.empty_like(local_shard(self._leaves[name]), device="cpu")
         return buf
 
     @staticmethod
@@ -240,7 +231,7 @@ class Rollback:
         """
         if name not in self._leaves or self._saved.get(name) == -1:
             return
-        src = _local(self._leaves[name])
+        src = local_shard(self._leaves[name])
         if 0 < length < _SMALL_COPY and src.is_contiguous() and src.device.type == "cpu":
             # A plain memory copy: torch calls (even a byte view) per small tensor cost more than its
             # bytes. Both are contiguous with the same layout (the buffer was made like the tensor).
@@ -248,7 +239,7 @@ class Rollback:
                 raise ValueError(f"{name}: bytes {start}..{start + length} are outside the tensor")
             _memmove_holding_gil(self._buffer(name).data_ptr() + start, src.data_ptr() + start, length)
         elif length:
-            src = self._bytes(_local(self._leaves[name]))
+            src = self._bytes(local_shard(self._leaves[name]))
             self._bytes(self._buffer(name))[start : start + length].copy_(src[start : start + length])
         with self._lock:
             self._saved[name] = start + length
@@ -264,7 +255,7 @@ class Rollback:
         for name in names:
             if name not in self._leaves or self._saved.get(name) == -1:
                 continue
-            t = _local(self._leaves[name])
+            t = local_shard(self._leaves[name])
             if t.numel():
                 group = by_dtype.setdefault(t.dtype, ([], []))
                 group[0].append(name)
@@ -303,10 +294,10 @@ class Rollback:
             pos = 0
             for name in names:
                 in_blocks[name] = (block, pos)
-                pos += _local(self._leaves[name]).numel()
+                pos += local_shard(self._leaves[name]).numel()
         for name, upto in saved.items():
             try:
-                dest = _local(self._leaves[name])
+                dest = local_shard(self._leaves[name])
                 if upto < 0:
                     found = in_blocks.get(name)
                     if found is not None:
@@ -328,7 +319,7 @@ def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     flatten = getattr(torch._C._nn, "flatten_dense_tensors", None)  # private: checked, with a public fallback
     if flatten is None or len(tensors) == 1:
-        return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+        return torch.cat([t.reshape(-1) for t in tensors])  # cat always makes a new tensor
     block: torch.Tensor = flatten(tensors)
     if block.data_ptr() == tensors[0].data_ptr():  # a view after all (a future torch): copy it
         block = block.clone()

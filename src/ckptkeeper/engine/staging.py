@@ -15,12 +15,17 @@ from torch.distributed.tensor import DTensor
 
 from .state import _dtensor, flatten_tensors
 
-__all__ = ["Stager"]
+__all__ = ["Stager", "local_shard"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # The shard itself, without to_local()'s autograd function (a few dozen microseconds per
-    # tensor, inside the time an async save blocks training); it is only read here.
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes this rank holds: a DTensor's local shard, any other tensor itself.
+
+    Without to_local()'s autograd function (a few dozen microseconds per tensor, inside the time
+    an async save blocks training): the stager and the load's backups only copy the bytes.
+    """
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t  # the common case, decided without isinstance's subclass walk
     if isinstance(t, DTensor):
         return t._local_tensor
     return t
@@ -51,7 +56,7 @@ class Stager:
 
     def buffers_for(self, tree: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """This stager's buffers for ``tree``'s layout (allocated when the layout changed), by dotted path."""
-        self._buffers_for([(p, _local(t)) for p, t in flatten_tensors(tree)])
+        self._buffers_for([(p, local_shard(t)) for p, t in flatten_tensors(tree)])
         return dict(self._buffers)
 
     def existing_buffers_for_locals(self, locals_: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
@@ -71,7 +76,7 @@ class Stager:
         """Copy ``tree``'s tensors into this stager's buffers now; returns a function that builds
         the staged tree around them (DTensor wrappers cost more than the copy of a small shard, so
         an async save builds them in the background, after training has its state back)."""
-        locals_ = [(p, _local(t)) for p, t in flatten_tensors(tree)]
+        locals_ = [(p, local_shard(t)) for p, t in flatten_tensors(tree)]
         self._buffers_for(locals_)
         any_cuda = False
         with torch.no_grad():
