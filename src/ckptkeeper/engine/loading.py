@@ -209,9 +209,7 @@ def _load_verified(
                 try:
                     listed = saved_from_table(table)
                 except ValueError as exc:
-                    raise CorruptCheckpointError(
-                        f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore it from a copy"
-                    ) from None
+                    raise _corrupt(path, exc) from None
         saved: dict[str, SavedTensor | None]
         if listed is not None:
             # The segment table lists shapes and dtypes: DCP's metadata (thousands of pickled
@@ -258,9 +256,7 @@ def _load_verified(
             try:
                 index = index_from_metadata(metadata, segments)
             except ValueError as exc:
-                raise CorruptCheckpointError(
-                    f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
-                ) from None
+                raise _corrupt(path, exc) from None
         reads = plan_reads(plan.tensors, index, world, path)
         if reads is None:
             return "download" if remote is not None else "dcp"
@@ -409,9 +405,14 @@ def _index_from_tables(path: str, record: CommitRecord, tables: Any, local: str 
             sizes[data_file] = record.files[rel].bytes
         return index_from_tables(found, sizes)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptCheckpointError(
-            f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
-        ) from None
+        raise _corrupt(path, exc) from None
+
+
+def _corrupt(path: str, exc: Exception) -> CorruptCheckpointError:
+    """The error for a checkpoint whose tables say something impossible (``exc`` says what)."""
+    return CorruptCheckpointError(
+        f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
+    )
 
 
 def _parsed(path: str, rows: Any, record: CommitRecord, metadata: Any, data_file: str, listed: Any = None) -> Any:
@@ -421,9 +422,7 @@ def _parsed(path: str, rows: Any, record: CommitRecord, metadata: Any, data_file
             raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
         return parse_layout(rows, record.files[rel].bytes, metadata, data_file, listed)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptCheckpointError(
-            f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
-        ) from None
+        raise _corrupt(path, exc) from None
 
 
 def download(ck: Checkpointer, storage: Storage, path: str, spool: str) -> CommitRecord:
