@@ -398,10 +398,10 @@ def index_from_metadata(
     return PieceIndex(saved, pieces)
 
 
-def build_metadata(per_rank: list[list[PieceEntry]], file_names: Mapping[int, str] | None = None) -> Metadata:
+def build_metadata(per_rank: list[list[PieceEntry]]) -> Metadata:
     """DCP's metadata for the pieces every rank wrote; ValueError when they do not tile each tensor.
 
-    ``file_names`` maps a position in ``per_rank`` to its data file (default: rank r's own).
+    ``per_rank[r]`` are the pieces rank r wrote into its own data file.
     """
     sd_meta: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, Any] = {}
@@ -422,7 +422,7 @@ def build_metadata(per_rank: list[list[PieceEntry]], file_names: Mapping[int, st
         return found
 
     for rank, entries in enumerate(per_rank):
-        file = file_names[rank] if file_names is not None else shard_name(rank)
+        file = shard_name(rank)
         for fqn, path, shape, dtype, offsets, sizes, start, length in entries:
             md = sd_meta.get(fqn)
             if md is None:
