@@ -27,7 +27,7 @@ import torch
 
 from ckptkeeper.engine import discovery
 from ckptkeeper.engine.record import CommitRecord, FileEntry
-from ckptkeeper.engine.sharded import layout_name
+from ckptkeeper.engine.sharded import table_name
 from ckptkeeper.storage.layout import COMMIT_RECORD, MODEL_DIR, step_dir_name, train_state_name
 
 ROW_BYTES_INLINE = 282
@@ -39,7 +39,7 @@ def rank_files(rank: int, tensors: int, tensor_bytes: int) -> dict[str, FileEntr
     files = {
         f"{MODEL_DIR}/__{rank}_0.distcp": FileEntry(tensors * tensor_bytes, f"{rank:016x}"),
         # Its segment table: three rows (head, data, tail) of about 100 bytes per tensor.
-        layout_name(rank): FileEntry(tensors * 300, f"{rank + 2:016x}"),
+        table_name(rank): FileEntry(tensors * 300, f"{rank + 2:016x}"),
         train_state_name(rank): FileEntry(2048, f"{rank + 1:016x}"),
     }
     if rank == 0:

@@ -31,7 +31,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
         files = _ok(run_ranks(world, workers.save_wide, str(d / f"w{world}"), str(d / f"ref{world}.pt"),
                               out=d / f"o{world}"))  # fmt: skip
         expected = {f"model_and_optim/__{r}_0.distcp" for r in range(world)}
-        expected |= {f"model_and_optim/.ckptkeeper-layout-{r}.json" for r in range(world)}
+        expected |= {f"model_and_optim/.ckptkeeper-pieces-{r}.json" for r in range(world)}
         expected |= {f"train/rank{r}.json" for r in range(world)} | {"model_and_optim/.metadata"}
         assert set(files[0]) == expected
     return d
@@ -133,11 +133,11 @@ def test_multi_rank_loads_plan_from_the_segment_tables_and_check_them(saved: Pat
     out = _ok(run_ranks(2, workers.load_wide, str(path), str(saved / "ref2.pt"), out=tmp_path / "o"))
     assert all(v["equal"] and v["reader"] == "pieces" for v in out), out
     assert not marker.exists()
-    # A table that says a piece has other sizes than its own torch.save header: refused everywhere.
-    rel = "model_and_optim/.ckptkeeper-layout-1.json"
+    # A table that gives a piece other sizes (rows and columns swapped): refused everywhere.
+    rel = "model_and_optim/.ckptkeeper-pieces-1.json"
     table = json.loads((path / rel).read_bytes())
-    fqn = next(f for f, e in table["pieces"].items() if len(e[3]) == 2 and e[3][0] > 1)
-    table["pieces"][fqn][3] = [table["pieces"][fqn][3][1], table["pieces"][fqn][3][0]]
+    kind = next(k for k in table["kinds"] if len(k[3]) == 2 and k[3][0] != k[3][1] and k[3][0] > 1)
+    kind[3] = [kind[3][1], kind[3][0]]
     forge(path, rel, json.dumps(table).encode())
     out = _ok(run_ranks(2, workers.load_wide, str(path), str(saved / "ref2.pt"), out=tmp_path / "o2"))
     for value in out:

@@ -400,15 +400,17 @@ def test_the_quick_metadata_pickle_is_pickles_own_bytes_and_reads_back_safely() 
     assert back.state_dict_metadata == md.state_dict_metadata and back.storage_data == md.storage_data
 
 
-def _two_rank_tables(tmp_path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """The segment tables two ranks would write for row-halves of a few tensors (no processes)."""
+def _two_rank_tables(tmp_path: Path, fmt: int = 2) -> tuple[dict[str, Any], dict[str, int]]:
+    """The segment tables two ranks write for row-halves of a few tensors (no processes), as
+    written (format 2) or as format 1 had them (``(rows, pieces)``, what older checkpoints hold)."""
     import json
 
-    from ckptkeeper.engine.sharded import PIECES_KEY, Piece, layout_name, shard_name, write_shard
+    from ckptkeeper.engine.sharded import Piece, shard_name, table_name, table_pieces, write_shard
 
     model_dir = tmp_path / "model_and_optim"
     model_dir.mkdir(parents=True)
-    tensors = {f"w{i}": torch.randn(4, 3) for i in range(6)} | {"b": torch.arange(8, dtype=torch.int64)}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(4, 3, generator=gen) for i in range(6)} | {"b": torch.arange(8, dtype=torch.int64)}
     tables: dict[str, Any] = {}
     sizes: dict[str, int] = {}
     for rank in range(2):
@@ -419,10 +421,16 @@ def _two_rank_tables(tmp_path: Path) -> tuple[dict[str, Any], dict[str, int]]:
             offsets = (rank * half,) + (0,) * (t.dim() - 1)
             pieces.append(Piece(fqn, (fqn,), local, offsets, tuple(t.shape), True))
         write_shard(str(model_dir), pieces, rank, 1)
-        table = json.loads((tmp_path / layout_name(rank)).read_bytes())
+        doc = json.loads((tmp_path / table_name(rank)).read_bytes())
         name = shard_name(rank)
-        tables[name] = (table[f"model_and_optim/{name}"], table[PIECES_KEY])
         sizes[name] = (model_dir / name).stat().st_size
+        if fmt == 2:
+            tables[name] = doc
+            continue
+        found = table_pieces(doc, name, sizes[name])
+        rows = [list(s.segs[kind]) for _, _, s, _ in found for kind in ("head", "data", "tail")]
+        listed = {fqn: [str(w.dtype), list(w.shape), list(s.offsets), list(s.sizes)] for fqn, w, s, _ in found}
+        tables[name] = (rows, listed)
     return tables, sizes
 
 
@@ -431,7 +439,8 @@ def test_piece_tables_are_checked_entry_by_entry_even_where_entries_repeat(tmp_p
 
     from ckptkeeper.engine.sharded import index_from_tables
 
-    tables, sizes = _two_rank_tables(tmp_path)
+    # Format 1 (the tables of checkpoints written before format 2), still read.
+    tables, sizes = _two_rank_tables(tmp_path, fmt=1)
     index = index_from_tables(tables, sizes)
     assert index.saved["w0"] == ((4, 3), torch.float32) and index.saved["b"] == ((8,), torch.int64)
     assert sorted(p.offsets for p in index.pieces["w3"]) == [(0, 0), (2, 0)]
@@ -462,6 +471,88 @@ def test_piece_tables_are_checked_entry_by_entry_even_where_entries_repeat(tmp_p
             index_from_tables(forged(change), sizes)
     # A valid entry repeated across tensors is still taken (the memo serves it).
     assert len(index_from_tables(forged(lambda pieces: None), sizes).pieces) == 7
+
+
+def test_format2_tables_place_every_piece_and_refuse_every_forgery(tmp_path: Path) -> None:
+    import copy
+
+    from ckptkeeper.engine.sharded import LocalSource, index_from_tables, plan_reads, read_pieces, table_pieces
+
+    tables, sizes = _two_rank_tables(tmp_path)
+    old, _ = _two_rank_tables(tmp_path / "f1", fmt=1)
+    index = index_from_tables(tables, sizes)
+    # The same pieces, bytes and checksums as the three-rows-per-piece format-1 table says.
+    assert index == index_from_tables(old, sizes)
+    assert index.saved["b"] == ((8,), torch.int64) and sorted(p.offsets for p in index.pieces["w3"]) == [(0, 0), (2, 0)]
+    doc = tables["__1_0.distcp"]
+    assert len(doc["kinds"]) == 2  # seven pieces of two kinds: each kind is written and checked once
+
+    def forged(change: Any) -> dict[str, Any]:
+        out = copy.deepcopy(tables)
+        change(out["__1_0.distcp"])
+        return out
+
+    def kind_of(fqn: str) -> Any:
+        return lambda d: d["kinds"][d["kind"][d["names"].index(fqn)]]
+
+    def set_kind(fqn: str, pos: int, value: Any) -> Any:
+        return lambda d: kind_of(fqn)(d).__setitem__(pos, value)
+
+    def put(column: str, pos: int, value: Any) -> Any:
+        return lambda d: d[column].__setitem__(pos, value)
+
+    def set_key(key: str, value: Any) -> Any:
+        return lambda d: d.__setitem__(key, value)
+
+    def drop(pos: int) -> Any:
+        return lambda d: [d[c].pop(pos) for c in ("names", "kind", "sums")]
+
+    bad = {
+        "offsets True": set_kind("w4", 2, [True, 0]),
+        "offsets float": set_kind("w4", 2, [2.0, 0]),
+        "offsets longer": set_kind("w4", 2, [2, 0, 0]),
+        "shape longer": set_kind("w4", 1, [4, 3, 0]),
+        "past the end": set_kind("w4", 2, [3, 0]),
+        "rank 0's rows again": set_kind("w4", 2, [0, 0]),
+        "other sizes": set_kind("w4", 3, [2, 2]),  # other bytes: the pieces no longer tile the file
+        "ranks disagree": set_kind("w4", 1, [4, 4]),
+        "other itemsize": set_kind("b", 0, "torch.int32"),
+        "unhashable dtype": set_kind("w4", 0, ["torch.float32"]),
+        "no such dtype": set_kind("w4", 0, "torch.float1024"),
+        "kind out of range": put("kind", 0, 7),
+        "kind negative": put("kind", 0, -1),
+        "kind bool": put("kind", 0, True),
+        "kind float": put("kind", 0, 0.0),
+        "name not str": put("names", 0, 5),
+        "sum not str": put("sums", 0, 5),
+        "a name twice": put("names", 1, doc["names"][0]),
+        "a piece dropped": drop(3),
+        "short column": lambda d: d["sums"].pop(),
+        "other file": set_key("file", "model_and_optim/__0_0.distcp"),
+        "extra key": set_key("extra", 1),
+        "future format": set_key("format", 3),
+        "format as text": set_key("format", "2"),
+        "no format": lambda d: d.pop("format"),
+        "columns not lists": set_key("names", {"w0": 0}),
+    }
+    for what, change in bad.items():
+        with pytest.raises(ValueError) as info:
+            index_from_tables(forged(change), sizes)
+        if what == "future format":
+            assert "newer ckptkeeper" in str(info.value) and "upgrade" in str(info.value)
+
+    # The same bytes read as another dtype of that width: the table tiles the file, but the
+    # header the table implies is not the one written, and the read refuses before copying.
+    both = copy.deepcopy(tables)
+    for table in both.values():
+        set_kind("b", 0, "torch.float64")(table)
+    as_float = index_from_tables(both, sizes)
+    assert as_float.saved["b"] == ((8,), torch.float64)
+    reads = [r for r in plan_reads({"b": torch.zeros(8, dtype=torch.float64)}, as_float, 1, "test") or []
+             if r.file == "__1_0.distcp"]  # fmt: skip
+    with pytest.raises(CorruptCheckpointError):
+        read_pieces(LocalSource(str(tmp_path / "model_and_optim")), reads)
+    assert len(table_pieces(doc, "__1_0.distcp", sizes["__1_0.distcp"])) == 7
 
 
 def test_thresholds_set_during_a_pause_are_the_users_to_keep() -> None:

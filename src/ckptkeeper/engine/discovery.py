@@ -68,6 +68,7 @@ __all__ = [
     "read_segment_rows",
     "read_segment_table",
     "read_small",
+    "read_table_doc",
     "segment_tables",
     "verify",
     "verify_checksums",
@@ -346,6 +347,7 @@ def verify_structure(path: str, record: CommitRecord) -> None:
 
     from .fastio import parse_layout, saved_from_table
     from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
+    from .sharded import is_pieces_table, table_pieces
 
     storage = storage_for(path)
 
@@ -368,11 +370,16 @@ def verify_structure(path: str, record: CommitRecord) -> None:
         if rel.startswith(TRAIN_DIR + "/") and rel.endswith(".json"):
             loads_bounded(small(rel, MAX_STATE_BYTES), f"{path}/{rel}", max_bytes=MAX_STATE_BYTES, max_depth=64,
                           allow_nonfinite=True)  # fmt: skip
-    for data_file in segment_tables(record):
+    for data_file, table_rel in segment_tables(record).items():
         rel = f"{MODEL_DIR}/{data_file}"
         try:
             if rel not in record.files:
                 raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
+            if table_rel is not None and is_pieces_table(table_rel):
+                doc = read_table_doc(path, record, data_file)
+                assert doc is not None
+                _check_pieces_table(table_pieces(doc[1], data_file, record.files[rel].bytes), metadata, data_file)
+                continue
             found = read_segment_table(path, record, data_file)
             assert found is not None
             parse_layout(found[0], record.files[rel].bytes, metadata, data_file)
@@ -398,6 +405,23 @@ LAYOUT_FILE = f"{MODEL_DIR}/.ckptkeeper-layout.json"
 record, so the record stays small whatever the number of tensors (``ls`` reads only records)."""
 
 MAX_LAYOUT_BYTES = 256 << 20
+
+
+def _check_pieces_table(found: list[Any], metadata: Metadata, data_file: str) -> None:
+    """ValueError unless a format-2 table's pieces (:func:`~ckptkeeper.engine.sharded.table_pieces`)
+    are where DCP's metadata puts them, with its shapes, dtypes and boxes (loads use the table)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .fastio import check_layout_metadata
+
+    check_layout_metadata({fqn: stored.segs for fqn, _, stored, _ in found}, metadata, data_file)
+    for fqn, whole, stored, _ in found:
+        md = metadata.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata) or (tuple(md.size), md.properties.dtype) != tuple(whole):
+            raise ValueError(f"the segment table and DCP's metadata disagree about {fqn[:80]!r}")
+        boxes = {(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks}
+        if (stored.offsets, stored.sizes) not in boxes:
+            raise ValueError(f"the segment table places a piece of {fqn[:80]!r} where DCP's metadata has none")
 
 
 def has_layout(record: CommitRecord) -> bool:
@@ -427,26 +451,36 @@ def read_segment_rows(path: str, record: CommitRecord, data_file: str, local: st
     return None if found is None else found[0]
 
 
-def read_segment_table(
-    path: str, record: CommitRecord, data_file: str, local: str | None = None
-) -> tuple[Any, dict[str, Any]] | None:
-    """(segment rows, the table's other entries) of ``data_file``, checksum-checked and bounded;
-    None when it has no table. Single-process tables list their tensors (``"tensors"``:
-    ``{fqn: [dtype, shape]}``), per-rank tables their pieces (``"pieces"``)."""
-    from .fastio import TENSORS_KEY
-    from .sharded import PIECES_KEY
-
+def read_table_doc(path: str, record: CommitRecord, data_file: str, local: str | None = None) -> tuple[str, Any] | None:
+    """(the table's file, its decoded JSON) of ``data_file``'s segment table, checksum-checked and
+    bounded, not yet checked for shape; None when it has no table."""
     tables = segment_tables(record)
     if data_file not in tables:
         return None
     rel = tables[data_file]
     if rel is None or rel == LAYOUT_FILE:
-        table = read_layout(path, record, local)
-    else:
-        data = read_small(local or path, rel, MAX_LAYOUT_BYTES, record.files[rel])
-        # max_depth=None: parse_layout and saved_from_table accept only their fixed shape, so
-        # every deeper table is refused there (json's own recursion limit stops the absurd ones).
-        table = loads_bounded(data, f"{path}/{rel}", max_bytes=MAX_LAYOUT_BYTES, max_depth=None)
+        return LAYOUT_FILE, read_layout(path, record, local)
+    data = read_small(local or path, rel, MAX_LAYOUT_BYTES, record.files[rel])
+    # max_depth=None: the table parsers accept only their fixed shape, so every deeper table is
+    # refused there (json's own recursion limit stops the absurd ones).
+    return rel, loads_bounded(data, f"{path}/{rel}", max_bytes=MAX_LAYOUT_BYTES, max_depth=None)
+
+
+def read_segment_table(
+    path: str, record: CommitRecord, data_file: str, local: str | None = None
+) -> tuple[Any, dict[str, Any]] | None:
+    """(segment rows, the table's other entries) of ``data_file``'s format-1 table, checksum-checked
+    and bounded; None when it has no table. Single-process tables list their tensors (``"tensors"``:
+    ``{fqn: [dtype, shape]}``), format-1 per-rank tables their pieces (``"pieces"``); a format-2
+    per-rank table (:func:`read_table_doc`, :func:`~ckptkeeper.engine.sharded.table_pieces`) is
+    refused here as describing other files."""
+    from .fastio import TENSORS_KEY
+    from .sharded import PIECES_KEY
+
+    found = read_table_doc(path, record, data_file, local)
+    if found is None:
+        return None
+    table = found[1]
     key = f"{MODEL_DIR}/{data_file}"
     if not isinstance(table, dict) or key not in table or set(table) - {key, TENSORS_KEY, PIECES_KEY}:
         raise CorruptCheckpointError(

@@ -196,6 +196,13 @@ def parse_layout(
                     f"{fqn[:80]!r}: the segment table's shape or dtype is not the one the data was saved with"
                 )
         return by_fqn
+    check_layout_metadata(by_fqn, metadata, data_file)
+    return by_fqn
+
+
+def check_layout_metadata(by_fqn: Mapping[str, Mapping[str, Segment]], metadata: Any, data_file: str) -> None:
+    """ValueError unless each tensor's byte range in ``data_file`` (``by_fqn``, from its segment
+    table) is the one DCP's metadata gives it, and holds as many bytes as that metadata's piece."""
     ranges = {}
     shapes = {}
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
@@ -218,7 +225,6 @@ def parse_layout(
         want = math.prod(size) * found.itemsize
         if segs["data"].length != want:
             raise ValueError(f"{fqn[:80]!r}: the layout holds {segs['data'].length} bytes, its shape needs {want}")
-    return by_fqn
 
 
 def _chunk_sizes(metadata: Any, index: Any) -> tuple[int, ...] | None:
@@ -305,6 +311,18 @@ def can_use_fast_path(tree: Mapping[str, Any] | Leaves, loading: bool = False) -
 
 def skeleton_sums(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, str]:
     """The checksums of the ``torch.save`` head and tail of a tensor of ``shape`` and ``dtype``."""
+    cached = _skeleton_of(shape, dtype)
+    return cached[2], cached[3]
+
+
+def skeleton_layout(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int, str, str]:
+    """(head length, tail length, head checksum, tail checksum) of a tensor's ``torch.save`` blob;
+    ValueError when no tensor has that shape and dtype."""
+    head, tail, head_sum, tail_sum = _skeleton_of(shape, dtype)
+    return len(head), len(tail), head_sum, tail_sum
+
+
+def _skeleton_of(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, bytes, str, str]:
     cached = _SKELETONS.get((shape, dtype))
     if cached is None:  # a meta tensor costs more than the look-up: made only on a miss
         if not all(type(n) is int and 0 <= n < 1 << 52 for n in shape):
@@ -313,7 +331,7 @@ def skeleton_sums(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, str]
             cached = _skeleton(torch.empty(shape, dtype=dtype, device="meta"))
         except (RuntimeError, OverflowError) as exc:  # torch's own refusal of a forged shape or dtype
             raise ValueError(f"no tensor of shape {list(shape)[:8]} and dtype {dtype} can be saved: {exc}") from None
-    return cached[2], cached[3]
+    return cached
 
 
 def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:

@@ -46,6 +46,7 @@ from .sharded import (
     Source,
     index_from_metadata,
     index_from_tables,
+    is_pieces_table,
     plan_reads,
     read_pieces,
 )
@@ -382,8 +383,13 @@ def _read_ahead(data_path: str, entry: FileEntry | None) -> None:
 
 def _index_from_tables(path: str, record: CommitRecord, tables: Any, local: str | None) -> PieceIndex | None:
     """Every stored piece, from the segment tables; None when one of them does not place its pieces."""
-    found = {}
-    for data_file in tables:
+    found: dict[str, Any] = {}
+    for data_file, rel in tables.items():
+        if rel is not None and is_pieces_table(rel):
+            doc = discovery.read_table_doc(path, record, data_file, local)
+            assert doc is not None  # listed by segment_tables
+            found[data_file] = doc[1]
+            continue
         got = discovery.read_segment_table(path, record, data_file, local)
         if got is None:
             return None

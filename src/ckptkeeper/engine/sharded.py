@@ -60,6 +60,7 @@ from .fastio import (
     Segment,
     _borrowed_view,
     _leaves,
+    _new_segment,
     _open_data_file,
     check_names,
     check_segments,
@@ -70,6 +71,7 @@ from .fastio import (
     pread_full,
     saved_from_table,
     segment_mismatch,
+    skeleton_layout,
     skeleton_sums,
     write_items,
     write_synced,
@@ -89,18 +91,26 @@ __all__ = [
     "build_metadata",
     "index_from_metadata",
     "index_from_tables",
+    "is_pieces_table",
     "layout_name",
     "local_pieces",
     "metadata_bytes",
     "plan_reads",
     "read_pieces",
     "shard_name",
+    "table_name",
+    "table_pieces",
     "write_shard",
 ]
 
 _RUN_BYTES = 8 << 20
 PIECES_KEY = "pieces"
-"""A per-rank segment table's entry placing each piece: ``{fqn: [dtype, global shape, offsets, sizes]}``."""
+"""A format-1 per-rank segment table's entry placing each piece: ``{fqn: [dtype, global shape, offsets, sizes]}``."""
+TABLE_FORMAT = 2
+"""The per-rank segment table this version writes (:func:`table_name`); format 1 is still read."""
+_TABLE_KEYS = frozenset({"format", "file", "kinds", "names", "kind", "sums"})
+_TABLE_PREFIX = f"{MODEL_DIR}/.ckptkeeper-pieces-"
+_OLD_TABLE_PREFIX = f"{MODEL_DIR}/.ckptkeeper-layout-"
 _REGIONS: dict[Any, Any] = {}
 _REMOTE_PART = 16 << 20
 
@@ -110,9 +120,24 @@ def shard_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
+def table_name(rank: int) -> str:
+    """The segment table of rank ``rank``'s data file, relative to the checkpoint (format 2).
+
+    Format 1 tables had another name (:func:`layout_name`): a ckptkeeper that predates format 2
+    finds no table it knows in a newer checkpoint and loads it through DCP's reader, rather
+    than calling it corrupt.
+    """
+    return f"{_TABLE_PREFIX}{rank}.json"
+
+
 def layout_name(rank: int) -> str:
-    """The segment table of rank ``rank``'s data file, relative to the checkpoint."""
-    return f"{MODEL_DIR}/.ckptkeeper-layout-{rank}.json"
+    """Where format 1 (before format 2) kept rank ``rank``'s segment table; still read."""
+    return f"{_OLD_TABLE_PREFIX}{rank}.json"
+
+
+def is_pieces_table(rel: str) -> bool:
+    """Whether ``rel`` (relative to the checkpoint) is a format-2 per-rank segment table."""
+    return rel.startswith(_TABLE_PREFIX)
 
 
 class Piece(NamedTuple):
@@ -268,13 +293,42 @@ def write_shard(
             h, d, tl = segments[3 * i : 3 * i + 3]
             entries.append((p.fqn, p.path, p.global_shape, t.dtype, p.offsets, tuple(t.shape), start,
                             h.length + d.length + tl.length))  # fmt: skip
-        # Where each piece sits in its tensor rides along: loads plan from these tables and need
-        # not decode DCP's metadata (every piece of every rank, thousands of pickled objects).
-        placed = {e[0]: [str(e[3]), list(e[2]), list(e[4]), list(e[5])] for e in entries}
-        encoded = json.dumps({f"{MODEL_DIR}/{name}": segments, PIECES_KEY: placed}).encode()
-    layout = os.path.join(os.path.dirname(model_dir), layout_name(rank))
-    files = {f"{MODEL_DIR}/{name}": entry, layout_name(rank): write_synced(layout, encoded)}
+        data_sums = [segments[3 * i + 1].xxh3_64 for i in range(len(entries))]
+        encoded = _encode_table(f"{MODEL_DIR}/{name}", entries, data_sums)
+    table = os.path.join(os.path.dirname(model_dir), table_name(rank))
+    files = {f"{MODEL_DIR}/{name}": entry, table_name(rank): write_synced(table, encoded)}
     return files, entries
+
+
+def _encode_table(data_rel: str, entries: list[PieceEntry], data_sums: list[str]) -> bytes:
+    """A rank's segment table, format 2: ``{"format": 2, "file": data file, "kinds": [[dtype,
+    global shape, offsets, sizes], ...], "names": [...], "kind": [...], "sums": [...]}``, one
+    column entry per piece in file order (``kind`` indexes ``kinds``; ``sums`` is the xxh3 of
+    its data).
+
+    Everything else a load needs follows: each piece's ``torch.save`` head and tail are fixed by
+    its sizes and dtype (their lengths and checksums are the writer's own skeleton's), and the
+    pieces lie one after another from the file's start. Loads plan from this table and never
+    decode DCP's metadata; format 1 listed three rows per piece, each naming it again, and a
+    10,000-piece table took longer to decode and check than its tensors took to read.
+    """
+    kinds: dict[tuple[Any, ...], int] = {}
+    column = []
+    for e in entries:
+        key = (e[3], e[2], e[4], e[5])
+        k = kinds.get(key)
+        if k is None:
+            k = kinds[key] = len(kinds)
+        column.append(k)
+    doc = {
+        "format": TABLE_FORMAT,
+        "file": data_rel,
+        "kinds": [[str(dtype), list(shape), list(offsets), list(sizes)] for dtype, shape, offsets, sizes in kinds],
+        "names": [e[0] for e in entries],
+        "kind": column,
+        "sums": data_sums,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 class Stored(NamedTuple):
@@ -311,11 +365,99 @@ def _piece_facts(
     return whole, offsets, sizes, math.prod(sizes) * dtype.itemsize, skeleton_sums(sizes, dtype)
 
 
-def index_from_tables(tables: Mapping[str, tuple[Any, Any]], sizes: Mapping[str, int]) -> PieceIndex:
-    """The pieces listed by the per-rank segment tables (``{data file: (rows, pieces)}``,
-    ``sizes``: each data file's size), checked as they are read: the rows tile each file, each
-    piece's size and dtype are the ones in its own ``torch.save`` header, and the pieces tile
-    each tensor. ValueError says what does not fit.
+_Found = tuple[str, SavedTensor, Stored, int]
+"""A piece as read from a segment table: (fqn, its tensor's shape and dtype, the piece, its elements)."""
+
+
+def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
+    """The pieces a format-2 segment table (decoded JSON) places in ``data_file`` (``file_size``
+    bytes), checked as they are read: well-formed columns, each kind a valid piece of a valid
+    tensor, the pieces' blobs tiling the file exactly. ValueError says what does not fit."""
+    if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT:
+        version = doc.get("format") if isinstance(doc, dict) else None
+        if type(version) is int and version > TABLE_FORMAT:
+            raise ValueError(
+                f"the segment table of {data_file} is format {version}, written by a newer ckptkeeper "
+                f"(this one reads formats 1 and {TABLE_FORMAT}): upgrade ckptkeeper to load it"
+            )
+        raise ValueError(f"the segment table of {data_file} is not a format-{TABLE_FORMAT} table")
+    if set(doc) != _TABLE_KEYS or doc["file"] != f"{MODEL_DIR}/{data_file}":
+        raise ValueError(f"the segment table of {data_file} describes another file or has other entries")
+    kinds, names, kind, sums = doc["kinds"], doc["names"], doc["kind"], doc["sums"]
+    if not (type(kinds) is list and type(names) is list and type(kind) is list and type(sums) is list):
+        raise ValueError(f"the segment table of {data_file} is malformed (its columns are not lists)")
+    if not len(names) == len(kind) == len(sums) or len(set(names)) != len(names):
+        raise ValueError(f"the segment table of {data_file} has columns of different lengths or a piece twice")
+    facts = []
+    for i, entry in enumerate(kinds):
+        if not (type(entry) is list and len(entry) == 4 and all(type(x) is list for x in entry[1:])):
+            raise ValueError(f"the segment table of {data_file} has a malformed kind of piece (#{i})")
+        whole, offsets, sizes, nbytes, _ = _piece_facts(f"kind #{i}", entry, data_file)
+        head, tail, head_sum, tail_sum = skeleton_layout(sizes, cast(torch.dtype, whole.dtype))
+        facts.append((whole, offsets, sizes, head, nbytes, tail, head_sum, tail_sum, math.prod(sizes)))
+    file = data_file
+    count = len(facts)
+    new = _new_segment
+    out: list[_Found] = []
+    pos = 0
+    # One pass of plain operations per piece: a rank's table lists every piece it wrote.
+    for fqn, k, data_sum in zip(names, kind, sums, strict=True):
+        if type(k) is not int or not 0 <= k < count or type(fqn) is not str or type(data_sum) is not str:
+            raise ValueError(f"the segment table of {data_file} has a malformed piece of {str(fqn)[:80]!r}")
+        whole, offsets, sizes, head, nbytes, tail, head_sum, tail_sum, volume = facts[k]
+        at = pos + head
+        end = at + nbytes
+        trio = {
+            "head": new(Segment, ("head", fqn, pos, head, head_sum)),
+            "data": new(Segment, ("data", fqn, at, nbytes, data_sum)),
+            "tail": new(Segment, ("tail", fqn, end, tail, tail_sum)),
+        }
+        pos = end + tail
+        out.append((fqn, whole, Stored(offsets, sizes, file, trio), volume))
+    if pos != file_size:
+        raise ValueError(f"the segment table of {data_file} covers {pos} bytes, the data file has {file_size}")
+    return out
+
+
+def _format1_pieces(data_file: str, rows: Any, listed: Any, file_size: int) -> Iterator[_Found]:
+    """The pieces of a format-1 table (``rows``: three segment rows per piece; ``listed``:
+    ``{fqn: [dtype, shape, offsets, sizes]}``), checked as :func:`table_pieces` checks format 2,
+    and each piece's header sums against its listed size and dtype."""
+    if not isinstance(listed, dict):
+        raise ValueError(f"the segment table of {data_file} lists no pieces")
+    segs = parse_layout(rows, file_size, None, data_file)
+    # What a piece's entry implies (its tensor, box, bytes and header sums) is worked out and
+    # checked once per distinct entry: thousands of pieces repeat a few shapes and offsets.
+    known: dict[tuple[Any, ...], tuple[SavedTensor, tuple[int, ...], tuple[int, ...], int, tuple[str, str]]] = {}
+    for fqn, entry in listed.items():
+        if not (type(entry) is list and len(entry) == 4 and all(type(x) is list for x in entry[1:])):
+            raise ValueError(f"the segment table of {data_file} has a malformed piece of {str(fqn)[:80]!r}")
+        # The lengths keep the three lists apart; the types, because 1.0 and True hash as 1.
+        lists = entry[1] + entry[2] + entry[3]
+        key = (entry[0], len(entry[1]), len(entry[2]), *lists, *map(type, lists))
+        try:
+            found = known.get(key)
+        except TypeError:  # an unhashable dtype or size: refused by the check below
+            found = None
+        if found is None:
+            found = known[key] = _piece_facts(fqn, entry, data_file)
+        whole, offsets, sizes_, want, sums = found
+        trio = segs.get(fqn)
+        if trio is None:
+            raise ValueError(f"the segment table of {data_file} has no segments for {str(fqn)[:80]!r}")
+        if trio["data"].length != want or (trio["head"].xxh3_64, trio["tail"].xxh3_64) != sums:
+            raise ValueError(f"{str(fqn)[:80]!r}: the segment table's size or dtype is not the one its data has")
+        yield fqn, whole, Stored(offsets, sizes_, data_file, trio), math.prod(sizes_)
+    if set(segs) != set(listed):
+        raise ValueError(f"the segment table of {data_file} lists other pieces than it has segments for")
+
+
+def index_from_tables(tables: Mapping[str, Any], sizes: Mapping[str, int]) -> PieceIndex:
+    """The pieces listed by the per-rank segment tables (``{data file: table}``, a table being a
+    decoded format-2 document or a format-1 ``(rows, pieces)`` pair; ``sizes``: each data file's
+    size), checked as they are read: the pieces tile each file, each piece's size and dtype are the
+    ones in its own ``torch.save`` header, and the pieces tile each tensor. ValueError says what
+    does not fit.
 
     Loads plan from this, not from DCP's metadata objects: building those (and hashing a
     MetadataIndex per piece to find them again) cost more than reading thousands of small pieces.
@@ -323,44 +465,24 @@ def index_from_tables(tables: Mapping[str, tuple[Any, Any]], sizes: Mapping[str,
     saved: dict[str, SavedTensor | None] = {}
     pieces: dict[str, list[Stored]] = {}
     covered: dict[str, int] = {}
-    for data_file, (rows, listed) in tables.items():
-        if not isinstance(listed, dict):
-            raise ValueError(f"the segment table of {data_file} lists no pieces")
-        segs = parse_layout(rows, sizes[data_file], None, data_file)
-        # What a piece's entry implies (its tensor, box, bytes and header sums) is worked out and
-        # checked once per distinct entry: thousands of pieces repeat a few shapes and offsets.
-        known: dict[tuple[Any, ...], tuple[SavedTensor, tuple[int, ...], tuple[int, ...], int, tuple[str, str]]] = {}
-        for fqn, entry in listed.items():
-            if not (type(entry) is list and len(entry) == 4 and all(type(x) is list for x in entry[1:])):
-                raise ValueError(f"the segment table of {data_file} has a malformed piece of {str(fqn)[:80]!r}")
-            # The lengths keep the three lists apart; the types, because 1.0 and True hash as 1.
-            lists = entry[1] + entry[2] + entry[3]
-            key = (entry[0], len(entry[1]), len(entry[2]), *lists, *map(type, lists))
-            try:
-                found = known.get(key)
-            except TypeError:  # an unhashable dtype or size: refused by the check below
-                found = None
-            if found is None:
-                found = known[key] = _piece_facts(fqn, entry, data_file)
-            whole, offsets, sizes_, want, sums = found
-            trio = segs.get(fqn)
-            if trio is None:
-                raise ValueError(f"the segment table of {data_file} has no segments for {str(fqn)[:80]!r}")
-            if trio["data"].length != want or (trio["head"].xxh3_64, trio["tail"].xxh3_64) != sums:
-                raise ValueError(f"{str(fqn)[:80]!r}: the segment table's size or dtype is not the one its data has")
+    for data_file, table in tables.items():
+        if isinstance(table, tuple):
+            found: Iterator[_Found] | list[_Found] = _format1_pieces(data_file, table[0], table[1], sizes[data_file])
+        else:
+            found = table_pieces(table, data_file, sizes[data_file])
+        for fqn, whole, stored, volume in found:
             held = pieces.get(fqn)
             if held is None:
                 saved[fqn] = whole
-                held = pieces[fqn] = []
-                covered[fqn] = 0
-            elif saved[fqn] != whole:
+                pieces[fqn] = [stored]
+                covered[fqn] = volume
+                continue
+            if saved[fqn] != whole:
                 raise ValueError(f"ranks disagree about the shape or dtype of {fqn}")
-            elif any(p.offsets == offsets for p in held):
-                raise ValueError(f"two pieces of {fqn} start at {list(offsets)}")
-            held.append(Stored(offsets, sizes_, data_file, trio))
-            covered[fqn] += math.prod(sizes_)
-        if set(segs) != set(listed):
-            raise ValueError(f"the segment table of {data_file} lists other pieces than it has segments for")
+            if any(p.offsets == stored.offsets for p in held):
+                raise ValueError(f"two pieces of {fqn} start at {list(stored.offsets)}")
+            held.append(stored)
+            covered[fqn] += volume
     for fqn, info in saved.items():
         assert info is not None
         if covered[fqn] != math.prod(info.shape):
@@ -755,10 +877,11 @@ def read_pieces(
 
 
 def iter_layout_files(files: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
-    """(segment table, data file) pairs of a multi-rank fast-path checkpoint's listed files."""
-    prefix = f"{MODEL_DIR}/.ckptkeeper-layout-"
-    for rel in files:
-        if rel.startswith(prefix) and rel.endswith(".json"):
-            rank = rel[len(prefix) : -len(".json")]
-            if rank.isdigit() and str(int(rank)) == rank:
-                yield rel, shard_name(int(rank))
+    """(segment table, data file) pairs of a multi-rank fast-path checkpoint's listed files
+    (format-1 tables first, so that where a record lists both for a file, format 2's is last)."""
+    for prefix in (_OLD_TABLE_PREFIX, _TABLE_PREFIX):
+        for rel in files:
+            if rel.startswith(prefix) and rel.endswith(".json"):
+                rank = rel[len(prefix) : -len(".json")]
+                if rank.isdigit() and str(int(rank)) == rank:
+                    yield rel, shard_name(int(rank))
