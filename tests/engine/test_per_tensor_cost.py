@@ -376,26 +376,32 @@ def test_the_quick_metadata_pickle_is_pickles_own_bytes_and_reads_back_safely() 
     import pickle
 
     from ckptkeeper.engine.safe_metadata import safe_load_metadata
-    from ckptkeeper.engine.sharded import build_metadata, metadata_bytes
+    from ckptkeeper.engine.sharded import ShardLayout, build_metadata, metadata_bytes
 
-    # Two ranks, each half of every tensor, several dtypes and shapes (shared torch.Size objects).
-    per_rank: list[list[Any]] = []
+    # Two ranks, each half of every tensor, several dtypes and shapes (shared torch.Size objects),
+    # and one key with a dot in it (its path is not its name split at the dots).
+    layouts: list[ShardLayout] = []
     for rank in range(2):
-        entries = []
-        start = 0
+        kinds: list[Any] = []
+        column = []
         for i in range(40):
             dtype = (torch.float32, torch.bfloat16, torch.int64)[i % 3]
             rows = 2 + i % 4
-            sizes = (rows, 3)
-            length = rows * 3 * dtype.itemsize + 100
-            entries.append((f"model.l{i}.w", ("model", f"l{i}", "w"), (2 * rows, 3), dtype, (rank * rows, 0), sizes,
-                            start, length))  # fmt: skip
-            start += length
-        per_rank.append(entries)
+            kind = (dtype, (2 * rows, 3), (rank * rows, 0), (rows, 3))
+            if kind not in kinds:
+                kinds.append(kind)
+            column.append(kinds.index(kind))
+        names = (*(f"model.l{i}.w" for i in range(39)), "model.l.39.w")
+        layouts.append(ShardLayout(names, tuple(kinds), tuple(column), ((39, ("model", "l.39", "w")),)))
+    per_rank = [layout.entries() for layout in layouts]
+    assert per_rank[1][39][1] == ("model", "l.39", "w") and per_rank[1][5][1] == ("model", "l5", "w")
+    # Each piece starts where the one before ends, each as long as its torch.save blob.
+    head, tail, _, _ = fastio.skeleton_layout((3, 3), torch.int64)
+    assert per_rank[0][2][6:] == (per_rank[0][1][6] + per_rank[0][1][7], head + 3 * 3 * 8 + tail)
     md = build_metadata(per_rank)
     quick = fastio.dumps_metadata(md)
     assert quick == pickle.dumps(md)
-    assert metadata_bytes(per_rank) == quick and metadata_bytes(per_rank) is metadata_bytes(per_rank)
+    assert metadata_bytes(layouts) == quick and metadata_bytes(layouts) is metadata_bytes(list(layouts))
     back = safe_load_metadata(quick, "test")
     assert back.state_dict_metadata == md.state_dict_metadata and back.storage_data == md.storage_data
 

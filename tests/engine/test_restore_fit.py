@@ -8,6 +8,7 @@ must the schedulers', scalers' and optimizers' non-tensor state.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
@@ -661,3 +662,101 @@ def test_a_load_override_set_on_an_instance_is_run(tmp_path: Path) -> None:
     got = make()
     ck.load(ck.save(str(tmp_path), 1, TrainingState(src)).path, TrainingState(got))
     assert torch.equal(got[0].weight, want[0].weight) and not torch.equal(got[0].weight, src[0].weight)
+
+
+def _named_state(opt: torch.optim.Optimizer, names: list[list[str]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """An optimizer's state keyed by parameter name and its groups naming their parameters (as a load has them)."""
+    from ckptkeeper.engine.state import _Names
+
+    sd = opt.state_dict()
+    flat = [n for group in names for n in group]
+    state = {flat[pid]: dict(v) for pid, v in sd["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": _Names(n)}
+              for g, n in zip(sd["param_groups"], names, strict=True)]  # fmt: skip
+    return state, groups
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, foreach=False),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+        lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True),
+    ],
+    ids=["adamw", "adam-fused", "adam-amsgrad", "sgd", "adagrad", "rmsprop"],
+)
+def test_the_quick_optimizer_state_setter_is_load_state_dict(make: Callable[[Any], torch.optim.Optimizer]) -> None:
+    from ckptkeeper.engine.state import _set_optimizer_state
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+    def groups_of(m: nn.Module) -> list[dict[str, Any]]:
+        return [{"params": list(m[0].parameters())}, {"params": list(m[1].parameters()), "lr": 5e-3}]
+
+    names = [["0.weight", "0.bias"], ["1.weight", "1.bias"]]
+    src = model()
+    opt = make(groups_of(src))
+    for _ in range(2):
+        src(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    state, groups = _named_state(opt, names)
+    state["0.weight"]["note"] = "kept as text"  # a plain value beside the tensors
+    for slot in list(state["1.bias"]):
+        if state["1.bias"][slot].is_floating_point() and slot != "step":
+            state["1.bias"][slot] = state["1.bias"][slot].double()  # cast back to the parameter's dtype
+    del state["0.bias"]  # a parameter without state
+
+    quick_model, slow_model = model(), model()
+    quick, slow = make(groups_of(quick_model)), make(groups_of(slow_model))
+    # Each its own copy: where no cast is needed both keep the given tensors, and steps update them in place.
+    assert _set_optimizer_state(quick, names, copy.deepcopy(state), groups)
+    slow.load_state_dict({"state": copy.deepcopy(state), "param_groups": groups})
+    a, b = quick.state_dict(), slow.state_dict()
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for pid, slots in b["state"].items():
+        assert slots.keys() == a["state"][pid].keys()
+        for key, value in slots.items():
+            mine = a["state"][pid][key]
+            if isinstance(value, torch.Tensor):
+                assert mine.dtype == value.dtype and mine.device == value.device and torch.equal(mine, value), key
+            elif key != "note":  # load_state_dict turns a string into a generator's repr (put back by the caller)
+                assert mine == value, key
+    assert a["state"][0]["note"] == "kept as text"
+    for m, o in ((quick_model, quick), (slow_model, slow)):
+        torch.manual_seed(1)
+        m(torch.randn(5, 4)).sum().backward()
+        o.step()
+    assert all(torch.equal(x, y) for x, y in zip(quick_model.parameters(), slow_model.parameters(), strict=True))
+
+
+def test_the_quick_optimizer_state_setter_leaves_hooked_or_overriding_optimizers_to_load_state_dict() -> None:
+    from ckptkeeper.engine.state import _set_optimizer_state
+
+    m = nn.Linear(2, 2)
+    names = [["weight", "bias"]]
+    state: dict[str, Any] = {"weight": {"momentum_buffer": torch.zeros(2, 2)}}
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    groups = _named_state(opt, names)[1]
+    called: list[str] = []
+    opt.register_load_state_dict_post_hook(lambda o: called.append("post"))
+    assert not _set_optimizer_state(opt, names, state, groups) and not opt.state
+
+    class Own(torch.optim.SGD):
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            called.append("own")
+            super().load_state_dict(state_dict)
+
+    assert not _set_optimizer_state(Own(m.parameters(), lr=0.1), names, state, groups)
+    # State that is not a flat dict of tensors and plain values (a list of tensors) goes there too.
+    listed = {"weight": {"momentum_buffer": [torch.zeros(2, 2)]}}
+    assert not _set_optimizer_state(torch.optim.SGD(m.parameters(), lr=0.1), names, listed, groups)
+    # Through a load, the hook and the override run.
+    TrainingState(m, opt)._load_optimizer(names, state, groups, {0: 0})
+    own = Own(m.parameters(), lr=0.1, momentum=0.9)
+    TrainingState(m, own)._load_optimizer(names, state, groups, {0: 0})
+    assert called == ["post", "own"]

@@ -49,7 +49,7 @@ from .fastio import (
 from .gcpause import paused_gc
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
-from .sharded import Piece, PieceEntry, local_pieces, metadata_bytes, shard_name, write_shard
+from .sharded import Piece, ShardLayout, local_pieces, metadata_bytes, shard_name, write_shard
 from .state import flatten_tensors
 
 __all__ = ["SaveResult", "SaveSettings", "SaveStage", "final_path", "quiet_dcp", "tensor_bytes", "write_checkpoint"]
@@ -212,11 +212,11 @@ def write_checkpoint(
         if sharded:
             data_rel = f"{MODEL_DIR}/{shard_name(rank)}"
             with translate_os_error(work):
-                shard_files, entries = write_shard(
+                shard_files, layout = write_shard(
                     os.path.join(work, MODEL_DIR), pieces, rank, settings.io_threads, sink(data_rel)
                 )
             written.update(shard_files)
-            my_entries.extend(entries)
+            my_layout.append(layout)
             return
         with translate_os_error(work):
             leaves = walk(tensors) if world == 1 and settings.writer == "auto" else None
@@ -246,7 +246,7 @@ def write_checkpoint(
         enter("writing trainer state")
         if sharded and rank == 0:
             # DCP's .metadata, from every rank's pieces: stock DCP reads the checkpoint with it.
-            encoded = metadata_bytes(all_entries)
+            encoded = metadata_bytes(all_layouts)
             with translate_os_error(work):
                 written[f"{MODEL_DIR}/.metadata"] = write_synced(os.path.join(work, MODEL_DIR, ".metadata"), encoded)
         with translate_os_error(work):
@@ -265,9 +265,9 @@ def write_checkpoint(
 
     pieces: list[Piece] = []
     sharded = False
-    my_entries: list[PieceEntry] = []
+    my_layout: list[ShardLayout] = []
     streamed: list[str] = []
-    all_entries: list[list[PieceEntry]] = []
+    all_layouts: list[ShardLayout] = []
     try:
         signatures = agree(prepare, step, pg)
         # Every rank takes the same path: the per-rank fast writer only where all ranks can, and
@@ -277,7 +277,7 @@ def write_checkpoint(
         agree(write_tensors, step, pg)
         if sharded:
             # Only rank 0 writes DCP's metadata, so only rank 0 receives every rank's pieces.
-            all_entries = D.gather_object(my_entries, group=pg) or []
+            all_layouts = D.gather_object(my_layout[0], group=pg) or []
         stage = "writing trainer state and uploading" if commit.uploads else "writing trainer state"
         for part in agree(finish_own_files, step, pg):
             files.update(part)

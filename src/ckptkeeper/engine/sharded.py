@@ -86,6 +86,7 @@ __all__ = [
     "PieceEntry",
     "PieceIndex",
     "RemoteSource",
+    "ShardLayout",
     "Source",
     "Stored",
     "build_metadata",
@@ -272,13 +273,47 @@ def _local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[
     return pieces, signature
 
 
+class ShardLayout(NamedTuple):
+    """What rank 0 needs of one rank's data file to write DCP's metadata: each piece's name, its
+    kind (dtype, tensor shape, offsets, sizes; listed once per distinct kind) and, where it is not
+    the name split at its dots, its path in the state. Where each piece starts follows (pieces lie
+    one after another, each ``torch.save`` blob's length fixed by its kind).
+
+    Gathered from every rank at every save: columns of names and small integers pickle several
+    times faster than a tuple per piece, and they are what the segment table holds anyway.
+    """
+
+    names: tuple[str, ...]
+    kinds: tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+    kind: tuple[int, ...]
+    paths: tuple[tuple[int, tuple[str, ...]], ...]
+
+    def entries(self) -> list[PieceEntry]:
+        """One :data:`PieceEntry` per piece, in file order."""
+        facts = []
+        for dtype, shape, offsets, sizes in self.kinds:
+            head, tail, _, _ = skeleton_layout(sizes, dtype)
+            facts.append((shape, dtype, offsets, sizes, head + math.prod(sizes) * dtype.itemsize + tail))
+        paths = dict(self.paths)
+        out: list[PieceEntry] = []
+        start = 0
+        for i, (fqn, k) in enumerate(zip(self.names, self.kind, strict=True)):
+            shape, dtype, offsets, sizes, length = facts[k]
+            path = paths.get(i)
+            out.append(
+                (fqn, tuple(fqn.split(".")) if path is None else path, shape, dtype, offsets, sizes, start, length)
+            )
+            start += length
+        return out
+
+
 def write_shard(
     model_dir: str, pieces: list[Piece], rank: int, threads: int, sink: Upload | None = None
-) -> tuple[dict[str, FileEntry], list[PieceEntry]]:
+) -> tuple[dict[str, FileEntry], ShardLayout]:
     """Write the pieces this rank writes into its data file and its segment table.
 
-    Returns the files written (relative to the checkpoint) and what rank 0 needs of each piece
-    to write DCP's metadata. With ``sink`` the data file is streamed there (object stores).
+    Returns the files written (relative to the checkpoint) and what rank 0 needs of them to
+    write DCP's metadata. With ``sink`` the data file is streamed there (object stores).
     """
     # The collector is paused while the per-piece tables are built (a background save runs here
     # too: its pauses are kept to the table building, never around the writes).
@@ -286,21 +321,28 @@ def write_shard(
         mine = [p for p in pieces if p.writer]
         tensors = [(p.fqn, exact(p.tensor)) for p in mine]
     name = shard_name(rank)
-    entry, segments, starts = write_items(os.path.join(model_dir, name), tensors, threads, sink)
+    entry, segments, _ = write_items(os.path.join(model_dir, name), tensors, threads, sink)
     with paused_gc():
-        entries: list[PieceEntry] = []
-        for i, (p, (_, t), start) in enumerate(zip(mine, tensors, starts, strict=True)):
-            h, d, tl = segments[3 * i : 3 * i + 3]
-            entries.append((p.fqn, p.path, p.global_shape, t.dtype, p.offsets, tuple(t.shape), start,
-                            h.length + d.length + tl.length))  # fmt: skip
-        data_sums = [segments[3 * i + 1].xxh3_64 for i in range(len(entries))]
-        encoded = _encode_table(f"{MODEL_DIR}/{name}", entries, data_sums)
+        kinds: dict[tuple[Any, ...], int] = {}
+        column = []
+        odd = []
+        for i, (p, (_, t)) in enumerate(zip(mine, tensors, strict=True)):
+            key = (t.dtype, p.global_shape, p.offsets, tuple(t.shape))
+            k = kinds.get(key)
+            if k is None:
+                k = kinds[key] = len(kinds)
+            column.append(k)
+            if p.path != tuple(p.fqn.split(".")):
+                odd.append((i, p.path))
+        layout = ShardLayout(tuple(p.fqn for p in mine), tuple(kinds), tuple(column), tuple(odd))
+        data_sums = [segments[3 * i + 1].xxh3_64 for i in range(len(mine))]
+        encoded = _encode_table(f"{MODEL_DIR}/{name}", layout, data_sums)
     table = os.path.join(os.path.dirname(model_dir), table_name(rank))
     files = {f"{MODEL_DIR}/{name}": entry, table_name(rank): write_synced(table, encoded)}
-    return files, entries
+    return files, layout
 
 
-def _encode_table(data_rel: str, entries: list[PieceEntry], data_sums: list[str]) -> bytes:
+def _encode_table(data_rel: str, layout: ShardLayout, data_sums: list[str]) -> bytes:
     """A rank's segment table, format 2: ``{"format": 2, "file": data file, "kinds": [[dtype,
     global shape, offsets, sizes], ...], "names": [...], "kind": [...], "sums": [...]}``, one
     column entry per piece in file order (``kind`` indexes ``kinds``; ``sums`` is the xxh3 of
@@ -312,20 +354,14 @@ def _encode_table(data_rel: str, entries: list[PieceEntry], data_sums: list[str]
     decode DCP's metadata; format 1 listed three rows per piece, each naming it again, and a
     10,000-piece table took longer to decode and check than its tensors took to read.
     """
-    kinds: dict[tuple[Any, ...], int] = {}
-    column = []
-    for e in entries:
-        key = (e[3], e[2], e[4], e[5])
-        k = kinds.get(key)
-        if k is None:
-            k = kinds[key] = len(kinds)
-        column.append(k)
     doc = {
         "format": TABLE_FORMAT,
         "file": data_rel,
-        "kinds": [[str(dtype), list(shape), list(offsets), list(sizes)] for dtype, shape, offsets, sizes in kinds],
-        "names": [e[0] for e in entries],
-        "kind": column,
+        "kinds": [
+            [str(dtype), list(shape), list(offsets), list(sizes)] for dtype, shape, offsets, sizes in layout.kinds
+        ],
+        "names": layout.names,
+        "kind": layout.kind,
         "sums": data_sums,
     }
     return json.dumps(doc, separators=(",", ":")).encode()
@@ -579,17 +615,17 @@ def build_metadata(per_rank: list[list[PieceEntry]]) -> Metadata:
 _METADATA_BYTES: dict[Any, bytes] = {}
 
 
-def metadata_bytes(per_rank: list[list[PieceEntry]]) -> bytes:
+def metadata_bytes(per_rank: list[ShardLayout]) -> bytes:
     """The ``.metadata`` file of a multi-rank checkpoint whose ranks wrote ``per_rank``.
 
     Made once per layout: saves of one run repeat it, and at thousands of pieces per rank
     building and pickling DCP's objects took rank 0 longer than writing its tensors.
     """
-    key = tuple(tuple(entries) for entries in per_rank)
+    key = tuple(per_rank)
     found = _METADATA_BYTES.get(key)
     if found is None:
         with paused_gc():
-            found = dumps_metadata(build_metadata(per_rank))
+            found = dumps_metadata(build_metadata([layout.entries() for layout in per_rank]))
         if len(_METADATA_BYTES) >= 2:
             _METADATA_BYTES.clear()
         _METADATA_BYTES[key] = found
