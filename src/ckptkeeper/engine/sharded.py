@@ -29,6 +29,7 @@ import hashlib
 import heapq
 import json
 import math
+import operator
 import os
 import threading
 import zlib
@@ -775,9 +776,12 @@ def plan_reads(tensors: Mapping[str, Any], index: PieceIndex, world: int, where:
         dest_sizes = tuple(local.shape)
         for c_off, c_size, file, segs in index.pieces.get(fqn, ()):
             if c_off == offsets and c_size == dest_sizes:
-                # The common case (the same world size): the piece is the destination.
-                end = tuple(o + n for o, n in zip(c_off, c_size, strict=True))
-                found.append(_Read.make(fqn, local, file, segs, c_off, c_size, offsets, c_off, end))
+                # The common case (the same world size): the piece is the destination, read whole
+                # (built directly: what make() works out is known here).
+                end = tuple(map(operator.add, c_off, c_size))
+                tail = segs["tail"]
+                span = (segs["head"].offset, tail.offset + tail.length)
+                found.append(_Read(fqn, local, file, segs, c_off, c_size, offsets, c_off, end, True, span))
                 continue
             if c_off and (c_off[0] >= offsets[0] + dest_sizes[0] or offsets[0] >= c_off[0] + c_size[0]):
                 continue  # apart on the first dimension (another rank's rows): the usual miss, told cheaply

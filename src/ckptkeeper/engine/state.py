@@ -739,10 +739,11 @@ class TrainingState:
             groups.append({**kept_here, **hyper, "params": _Names(names[i])})
         own = {fqn for group in names for fqn in group}
         kept = {fqn: value for fqn, value in state.items() if fqn in own}
-        if not _set_optimizer_state(opt, names, kept, groups):
-            # Optimizer.load_state_dict maps the names in "params" to this optimizer's parameters
-            # in order, and with them the state keyed by those names (as DCP's own loader relies on).
-            opt.load_state_dict({"state": kept, "param_groups": groups})
+        if _set_optimizer_state(opt, names, kept, groups):
+            return  # strings are kept as they are there
+        # Optimizer.load_state_dict maps the names in "params" to this optimizer's parameters in
+        # order, and with them the state keyed by those names (as DCP's own loader relies on).
+        opt.load_state_dict({"state": kept, "param_groups": groups})
         by_name = {
             fqn: p
             for group, params in zip(names, opt.param_groups, strict=True)
