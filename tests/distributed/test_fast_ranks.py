@@ -159,3 +159,48 @@ def test_checkpoint_names_follow_a_swapped_submodule(tmp_path: Path) -> None:
     ((ours, dcps),) = _ok(run_ranks(1, workers.names_after_rebinding, out=tmp_path / "o2"))
     assert ours == dcps
     assert set(ours) == {"b.weight", "b.bias", "a.module.weight", "a.module.bias"}
+
+
+def test_tables_that_disagree_with_the_data_or_the_metadata_are_caught_before_anything_changes(
+    saved: Path, tmp_path: Path
+) -> None:
+    # Found by an outside attack (both record-re-signing forgeries):
+    import json
+    import shutil
+
+    from ckptkeeper import Checkpointer, CorruptCheckpointError
+
+    from ..helpers import forge
+
+    tables = [f"model_and_optim/.ckptkeeper-pieces-{r}.json" for r in (0, 1)]
+    # 1. Two ranks' offsets for one tensor swapped (same sizes, same bytes): verify compared each
+    #    piece with any box DCP's metadata has for the tensor, not the one kept in that file.
+    path = tmp_path / "swapped" / "step5"
+    shutil.copytree(saved / "w2" / "step5", path)
+    docs = [json.loads((path / rel).read_bytes()) for rel in tables]
+    kinds = [{n: d["kinds"][k] for n, k in zip(d["names"], d["kind"], strict=True)} for d in docs]
+    fqn = next(f for f in kinds[0] if f in kinds[1] and kinds[0][f][3] == kinds[1][f][3]
+               and kinds[0][f][2] != kinds[1][f][2])  # fmt: skip
+    for doc, other in zip(docs, reversed(kinds), strict=True):
+        # A kind of its own for the piece, with the other rank's offsets.
+        mine = doc["kinds"][doc["kind"][doc["names"].index(fqn)]]
+        doc["kinds"].append([mine[0], mine[1], other[fqn][2], mine[3]])
+        doc["kind"][doc["names"].index(fqn)] = len(doc["kinds"]) - 1
+    for rel, doc in zip(tables, docs, strict=True):
+        forge(path, rel, json.dumps(doc).encode())
+    with pytest.raises(CorruptCheckpointError, match="DCP's metadata has another"):
+        Checkpointer().verify(str(path))
+
+    # 2. A data checksum in rank 1's table that is wrong for intact bytes, loaded by ranks with no
+    #    room for a backup (one of them, then both): every segment is checked before any write.
+    path = tmp_path / "badsum" / "step5"
+    shutil.copytree(saved / "w2" / "step5", path)
+    doc = json.loads((path / tables[1]).read_bytes())
+    doc["sums"][-1] = "0" * 16
+    forge(path, tables[1], json.dumps(doc).encode())
+    for budgets in ({1: {"CKPTKEEPER_STAGING_BUDGET": "16"}},
+                    {r: {"CKPTKEEPER_STAGING_BUDGET": "16"} for r in (0, 1)}):  # fmt: skip
+        out = _ok(run_ranks(2, workers.load_wide, str(path), str(saved / "ref2.pt"), out=tmp_path / "o",
+                            per_rank_env=budgets))  # fmt: skip
+        for value in out:
+            assert value["error"] == "CorruptCheckpointError" and value["unchanged"], value

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptkeeper import Checkpointer, CkptkeeperError, CorruptCheckpointError
+from ckptkeeper import Checkpointer, CkptkeeperError, CorruptCheckpointError, state_digest
 from ckptkeeper.cli.bench_run import _FixedState
 from ckptkeeper.engine import discovery, fastio
 from ckptkeeper.engine.gcpause import paused_gc
@@ -538,6 +538,8 @@ def test_format2_tables_place_every_piece_and_refuse_every_forgery(tmp_path: Pat
         "extra key": set_key("extra", 1),
         "future format": set_key("format", 3),
         "format as text": set_key("format", "2"),
+        "format as float": set_key("format", 2.0),
+        "more kinds than pieces": lambda d: d["kinds"].extend([d["kinds"][0]] * 8),
         "no format": lambda d: d.pop("format"),
         "columns not lists": set_key("names", {"w0": 0}),
     }
@@ -579,3 +581,27 @@ def test_thresholds_set_during_a_pause_are_the_users_to_keep() -> None:
         assert gc.get_threshold() == (700, 10, 10)
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_load_without_room_for_a_backup_checks_the_tables_sums_before_writing(tmp_path: Path) -> None:
+    # Found by an outside attack: over the staging budget a load verified whole-file checksums
+    # first, but its reads trust the segment table's per-segment sums; a table whose sum was wrong
+    # for intact bytes (record re-signed) failed mid-read, after earlier tensors were overwritten.
+    import json
+
+    from ..helpers import forge, small_state
+
+    state = small_state(seed=0)
+    path = Path(Checkpointer().save(str(tmp_path), 1, state).path)
+    rel = "model_and_optim/.ckptkeeper-layout.json"
+    table = json.loads((path / rel).read_bytes())
+    rows = table["model_and_optim/__0_0.distcp"]
+    last_data = max(i for i, row in enumerate(rows) if row[0] == "data")
+    rows[last_data][4] = "0" * 16  # the last tensor read: everything before it would be written
+    forge(path, rel, json.dumps(table).encode())
+
+    fresh = small_state(seed=1)
+    before = state_digest(fresh.model, fresh.optimizer)
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        Checkpointer(staging_budget_bytes=0).load(str(path), fresh)
+    assert state_digest(fresh.model, fresh.optimizer) == before

@@ -415,13 +415,22 @@ def _check_pieces_table(found: list[Any], metadata: Metadata, data_file: str) ->
     from .fastio import check_layout_metadata
 
     check_layout_metadata({fqn: stored.segs for fqn, _, stored, _ in found}, metadata, data_file)
+    # Which box of each tensor DCP's metadata keeps in this very file (a table that swapped two
+    # ranks' offsets for the same bytes would otherwise match a box kept in the other file).
+    here = {
+        index.fqn: tuple(index.offset or ())
+        for index, info in (metadata.storage_data or {}).items()
+        if info.relative_path == data_file
+    }
     for fqn, whole, stored, _ in found:
         md = metadata.state_dict_metadata.get(fqn)
         if not isinstance(md, TensorStorageMetadata) or (tuple(md.size), md.properties.dtype) != tuple(whole):
             raise ValueError(f"the segment table and DCP's metadata disagree about {fqn[:80]!r}")
-        boxes = {(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks}
-        if (stored.offsets, stored.sizes) not in boxes:
-            raise ValueError(f"the segment table places a piece of {fqn[:80]!r} where DCP's metadata has none")
+        boxes = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+        if here.get(fqn) != stored.offsets or boxes.get(stored.offsets) != stored.sizes:
+            raise ValueError(
+                f"the segment table places a piece of {fqn[:80]!r} in {data_file} where DCP's metadata has another"
+            )
 
 
 def has_layout(record: CommitRecord) -> bool:

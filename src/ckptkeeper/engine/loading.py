@@ -44,11 +44,13 @@ from .sharded import (
     PieceIndex,
     RemoteSource,
     Source,
+    check_stored,
     index_from_metadata,
     index_from_tables,
     is_pieces_table,
     plan_reads,
     read_pieces,
+    segments_read,
 )
 from .state import SavedTensor, TrainingState
 
@@ -277,6 +279,7 @@ def _load_verified(
         discovery.verify_checksums(local, record, path)
         verified = True
     guard: Rollback | None = None
+    unguarded = False
     # Only live state is backed up; the rest is read into new tensors. (Summed only under a budget:
     # a walk of the tree costs tens of milliseconds at 10,000 tensors.)
     fits = ck.staging_budget_bytes is None or tensor_bytes(plan.live) <= ck.staging_budget_bytes
@@ -290,6 +293,12 @@ def _load_verified(
         guard = Rollback(ck._stager, plan.live, incremental=mode != "dcp")
     elif remote is not None:
         raise _NeedsDownload()  # no memory for a backup: verify everything first, on a local copy
+    elif mode in ("single", "pieces") and ck.verify_checksums:
+        # No memory for a backup: every segment the load reads is checked before any is written
+        # (below, all ranks in one round). A whole-file check would not do: the reads trust the
+        # segment table's checksums, which a damaged table can give wrong for intact files.
+        log.info("the load's backup would exceed the staging budget; checking what %s holds before loading", path)
+        unguarded = True
     elif not verified:
         # No memory for a backup: read every byte once to check it before anything is written.
         log.info("the load's backup would exceed the staging budget; verifying %s before loading", path)
@@ -298,6 +307,9 @@ def _load_verified(
     meta_touched = False
     try:
         if mode == "single":
+            if unguarded:
+                segs = [seg for trio in prep["by_fqn"].values() for seg in trio.values()]
+                check_stored(LocalSource(os.path.join(local, MODEL_DIR)), {DATA_FILE: segs})
             read_fast(os.path.join(local, MODEL_DIR), plan.tensors, prep["by_fqn"], verify=ck.verify_checksums,
                       threads=ck.read_threads, before_write=before_write,
                       back_up_whole=guard.back_up_whole if guard is not None else None)  # fmt: skip
@@ -313,6 +325,10 @@ def _load_verified(
                 source, threads = LocalSource(os.path.join(local, MODEL_DIR)), max(1, ck.read_threads // local_ranks)
             reads = prep["reads"]
             whole = guard.back_up_whole if guard is not None else None
+            if unguarded or world > 1:
+                # Its own round, before any rank writes: a rank that finds a bad segment must stop
+                # the others before they change anything (ranks with a backup take part idle).
+                agree(lambda: check_stored(source, segments_read(reads)) if unguarded else None, None, pg, load_error)
             agree(
                 lambda: read_pieces(source, reads, ck.verify_checksums, threads, before_write, whole),
                 None,

@@ -33,7 +33,7 @@ import operator
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, cast
@@ -91,6 +91,7 @@ __all__ = [
     "Source",
     "Stored",
     "build_metadata",
+    "check_stored",
     "index_from_metadata",
     "index_from_tables",
     "is_pieces_table",
@@ -99,6 +100,7 @@ __all__ = [
     "metadata_bytes",
     "plan_reads",
     "read_pieces",
+    "segments_read",
     "shard_name",
     "table_name",
     "table_pieces",
@@ -410,7 +412,7 @@ def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
     """The pieces a format-2 segment table (decoded JSON) places in ``data_file`` (``file_size``
     bytes), checked as they are read: well-formed columns, each kind a valid piece of a valid
     tensor, the pieces' blobs tiling the file exactly. ValueError says what does not fit."""
-    if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT:
+    if not isinstance(doc, dict) or type(doc.get("format")) is not int or doc["format"] != TABLE_FORMAT:
         version = doc.get("format") if isinstance(doc, dict) else None
         if type(version) is int and version > TABLE_FORMAT:
             raise ValueError(
@@ -425,6 +427,9 @@ def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
         raise ValueError(f"the segment table of {data_file} is malformed (its columns are not lists)")
     if not len(names) == len(kind) == len(sums) or len(set(names)) != len(names):
         raise ValueError(f"the segment table of {data_file} has columns of different lengths or a piece twice")
+    if len(kinds) > len(names):
+        # Each kind is worked out (a skeleton per distinct one): no more of them than pieces.
+        raise ValueError(f"the segment table of {data_file} lists more kinds of piece than pieces")
     facts = []
     for i, entry in enumerate(kinds):
         if not (type(entry) is list and len(entry) == 4 and all(type(x) is list for x in entry[1:])):
@@ -914,6 +919,61 @@ def read_pieces(
             fetch_and_place(pool, futures, runs, fetch, place, ahead=max(2, threads))
     finally:
         source.close()
+
+
+def check_stored(source: Source, segments: Mapping[str, Iterable[Segment]]) -> None:
+    """Check each listed segment of each data file (``{file: segments}``) against its checksum,
+    reading each byte once; CorruptCheckpointError for the first that does not match.
+
+    For a load without a backup (over the staging budget): every byte it will use is checked
+    against the table before any is written. A whole-file checksum would not do: the reads trust
+    the table's per-segment checksums, and a table can disagree with intact files.
+    """
+    for rel, listed in segments.items():
+        ordered = sorted({seg.offset: seg for seg in listed}.values(), key=lambda seg: seg.offset)
+        run: list[Segment] = []
+        for seg in ordered:
+            if run and (
+                seg.offset != run[-1].offset + run[-1].length or seg.offset + seg.length > run[0].offset + _RUN_BYTES
+            ):
+                _check_run(source, rel, run)
+                run = []
+            if seg.length > _RUN_BYTES:
+                _check_long(source, rel, seg)
+            else:
+                run.append(seg)
+        _check_run(source, rel, run)
+
+
+def _check_run(source: Source, rel: str, run: list[Segment]) -> None:
+    if not run:
+        return
+    start = run[0].offset
+    buf = memoryview(bytearray(run[-1].offset + run[-1].length - start))
+    source.read_into(rel, start, buf)
+    views = [buf[seg.offset - start : seg.offset - start + seg.length] for seg in run]
+    for seg, got in zip(run, map(xxhash.xxh3_64_hexdigest, views), strict=True):
+        if got != seg.xxh3_64:
+            raise segment_mismatch(f"{source.where}/{rel}", seg.fqn, seg.kind, got, seg.xxh3_64)
+
+
+def _check_long(source: Source, rel: str, seg: Segment) -> None:
+    hasher = xxhash.xxh3_64()
+    chunk = memoryview(bytearray(_RUN_BYTES))
+    for at in range(0, seg.length, _RUN_BYTES):
+        part = chunk[: min(_RUN_BYTES, seg.length - at)]
+        source.read_into(rel, seg.offset + at, part)
+        hasher.update(part)
+    if hasher.hexdigest() != seg.xxh3_64:
+        raise segment_mismatch(f"{source.where}/{rel}", seg.fqn, seg.kind, hasher.hexdigest(), seg.xxh3_64)
+
+
+def segments_read(reads: list[_Read]) -> dict[str, list[Segment]]:
+    """The segments ``reads`` will read, by data file (what :func:`check_stored` is given)."""
+    out: dict[str, list[Segment]] = {}
+    for read in reads:
+        out.setdefault(read.file, []).extend((read.segs["head"], read.segs["data"], read.segs["tail"]))
+    return out
 
 
 def iter_layout_files(files: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
