@@ -204,3 +204,14 @@ def test_tables_that_disagree_with_the_data_or_the_metadata_are_caught_before_an
                             per_rank_env=budgets))  # fmt: skip
         for value in out:
             assert value["error"] == "CorruptCheckpointError" and value["unchanged"], value
+    # 3. (a second attack) The damage only in what a rank with a backup reads (rank 0's own first
+    #    shard), the other rank without room for one: it must not have written when rank 0 finds it.
+    path = tmp_path / "badsum0" / "step5"
+    shutil.copytree(saved / "w2" / "step5", path)
+    doc = json.loads((path / tables[0]).read_bytes())
+    doc["sums"][0] = "0" * 16
+    forge(path, tables[0], json.dumps(doc).encode())
+    out = _ok(run_ranks(2, workers.load_wide, str(path), str(saved / "ref2.pt"), out=tmp_path / "o3",
+                        per_rank_env={1: {"CKPTKEEPER_STAGING_BUDGET": "16"}}))  # fmt: skip
+    for value in out:
+        assert value["error"] == "CorruptCheckpointError" and value["unchanged"], value

@@ -605,3 +605,19 @@ def test_a_load_without_room_for_a_backup_checks_the_tables_sums_before_writing(
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         Checkpointer(staging_budget_bytes=0).load(str(path), fresh)
     assert state_digest(fresh.model, fresh.optimizer) == before
+
+    # (a second attack) An empty tensor's data segment starts where its tail does; its forged
+    # checksum was dropped with the tail's offset and only found after the tensors were written.
+    state = small_state(seed=0)
+    state.model.register_buffer("z", torch.zeros(0))
+    path = Path(Checkpointer().save(str(tmp_path / "empty"), 1, state).path)
+    table = json.loads((path / rel).read_bytes())
+    rows = table["model_and_optim/__0_0.distcp"]
+    next(row for row in rows if row[0] == "data" and row[1] == "model.z")[4] = "0123456789abcdef"
+    forge(path, rel, json.dumps(table).encode())
+    fresh = small_state(seed=1)
+    fresh.model.register_buffer("z", torch.zeros(0))
+    before = state_digest(fresh.model, fresh.optimizer)
+    with pytest.raises(CorruptCheckpointError, match=r"model\.z"):
+        Checkpointer(staging_budget_bytes=0).load(str(path), fresh)
+    assert state_digest(fresh.model, fresh.optimizer) == before

@@ -51,6 +51,7 @@ from .sharded import (
     plan_reads,
     read_pieces,
     segments_read,
+    shard_name,
 )
 from .state import SavedTensor, TrainingState
 
@@ -268,6 +269,11 @@ def _load_verified(
 
     if remote is None and not olmo and world == 1 and record.world_size == 1:
         _read_ahead(os.path.join(local, MODEL_DIR, DATA_FILE), record.files.get(f"{MODEL_DIR}/{DATA_FILE}"))
+    elif remote is None and not olmo and world == record.world_size > 1:
+        # Saved at this world size: this rank's own data file holds most of what it reads (its
+        # shards), and planning a load of many pieces takes as long as reading them cold.
+        own = f"{MODEL_DIR}/{shard_name(rank)}"
+        _read_ahead(os.path.join(local, own), record.files.get(own))
     modes = agree(prepare, None, pg, load_error)
     if remote is not None and set(modes) != {"pieces"}:
         raise _NeedsDownload()
@@ -325,10 +331,13 @@ def _load_verified(
                 source, threads = LocalSource(os.path.join(local, MODEL_DIR)), max(1, ck.read_threads // local_ranks)
             reads = prep["reads"]
             whole = guard.back_up_whole if guard is not None else None
-            if unguarded or world > 1:
-                # Its own round, before any rank writes: a rank that finds a bad segment must stop
-                # the others before they change anything (ranks with a backup take part idle).
-                agree(lambda: check_stored(source, segments_read(reads)) if unguarded else None, None, pg, load_error)
+            # Where any rank has no backup, every rank checks what it will read, in a round of its
+            # own before any rank writes: damage only a rank with a backup reads would otherwise
+            # stop the load after the ranks without one had written (found by an outside attack).
+            if world > 1 and ck.verify_checksums:
+                unguarded = not D.all_agree(not unguarded, group=pg)
+            if unguarded:
+                agree(lambda: check_stored(source, segments_read(reads)), None, pg, load_error)
             agree(
                 lambda: read_pieces(source, reads, ck.verify_checksums, threads, before_write, whole),
                 None,

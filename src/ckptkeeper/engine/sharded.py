@@ -930,7 +930,9 @@ def check_stored(source: Source, segments: Mapping[str, Iterable[Segment]]) -> N
     the table's per-segment checksums, and a table can disagree with intact files.
     """
     for rel, listed in segments.items():
-        ordered = sorted({seg.offset: seg for seg in listed}.values(), key=lambda seg: seg.offset)
+        # Keyed on offset and length: an empty tensor's data segment starts where its tail does,
+        # and must be checked too (its checksum is that of no bytes).
+        ordered = sorted({(seg.offset, seg.length): seg for seg in listed}.values(), key=lambda s: (s.offset, s.length))
         run: list[Segment] = []
         for seg in ordered:
             if run and (
