@@ -51,7 +51,6 @@ from .sharded import (
     plan_reads,
     read_pieces,
     segments_read,
-    shard_name,
 )
 from .state import SavedTensor, TrainingState
 
@@ -269,11 +268,6 @@ def _load_verified(
 
     if remote is None and not olmo and world == 1 and record.world_size == 1:
         _read_ahead(os.path.join(local, MODEL_DIR, DATA_FILE), record.files.get(f"{MODEL_DIR}/{DATA_FILE}"))
-    elif remote is None and not olmo and world == record.world_size > 1:
-        # Saved at this world size: this rank's own data file holds most of what it reads (its
-        # shards), and planning a load of many pieces takes as long as reading them cold.
-        own = f"{MODEL_DIR}/{shard_name(rank)}"
-        _read_ahead(os.path.join(local, own), record.files.get(own))
     modes = agree(prepare, None, pg, load_error)
     if remote is not None and set(modes) != {"pieces"}:
         raise _NeedsDownload()
