@@ -309,7 +309,11 @@ def _load_verified(
         if mode == "single":
             if unguarded:
                 segs = [seg for trio in prep["by_fqn"].values() for seg in trio.values()]
-                check_stored(LocalSource(os.path.join(local, MODEL_DIR)), {DATA_FILE: segs})
+                checked = LocalSource(os.path.join(local, MODEL_DIR))
+                try:
+                    check_stored(checked, {DATA_FILE: segs})
+                finally:
+                    checked.close()
             read_fast(os.path.join(local, MODEL_DIR), plan.tensors, prep["by_fqn"], verify=ck.verify_checksums,
                       threads=ck.read_threads, before_write=before_write,
                       back_up_whole=guard.back_up_whole if guard is not None else None)  # fmt: skip
@@ -331,7 +335,11 @@ def _load_verified(
             if world > 1 and ck.verify_checksums:
                 unguarded = not D.all_agree(not unguarded, group=pg)
             if unguarded:
-                agree(lambda: check_stored(source, segments_read(reads)), None, pg, load_error)
+                try:
+                    agree(lambda: check_stored(source, segments_read(reads)), None, pg, load_error)
+                except BaseException:
+                    source.close()  # read_pieces, which closes it, is not reached
+                    raise
             agree(
                 lambda: read_pieces(source, reads, ck.verify_checksums, threads, before_write, whole),
                 None,
