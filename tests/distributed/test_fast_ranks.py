@@ -145,6 +145,12 @@ def test_multi_rank_loads_plan_from_the_segment_tables_and_check_them(saved: Pat
     assert not marker.exists()
 
 
+def test_a_multi_rank_load_keeps_the_order_of_the_optimizers_slots(tmp_path: Path) -> None:
+    # The slots came back in the segment tables' order ("step" last), so the next save's layout
+    # differed from the last one's and rank 0 rebuilt DCP's metadata instead of reusing it.
+    assert _ok(run_ranks(2, workers.slot_order_after_load, str(tmp_path / "run"), out=tmp_path / "o")) == [True, True]
+
+
 def test_the_quick_model_state_dict_is_dcps_on_an_fsdp2_model(tmp_path: Path) -> None:
     assert _ok(run_ranks(2, workers.compare_model_state_dicts, out=tmp_path / "o")) == [True, True]
 

@@ -261,3 +261,16 @@ def names_after_rebinding(rank: int) -> list[list[str]]:
     del top.a, top.b
     top.b, top.a = ddp, holder  # the same objects, in the same order, under swapped names
     return [list(model_state_dict(top)), list(get_model_state_dict(top))]
+
+
+def slot_order_after_load(rank: int, folder: str) -> bool:
+    """Whether each parameter's optimizer slots keep their order through a save and a load."""
+    model, opt = _wide(seed=0)
+    before = [list(opt.state[p]) for p in model.parameters()]
+    ckpt = Checkpointer()
+    try:
+        saved = ckpt.save(folder, 5, TrainingState(model, opt))
+        ckpt.load(saved.path, TrainingState(model, opt))
+    finally:
+        ckpt.close()
+    return before[0][0] == "step" and [list(opt.state[p]) for p in model.parameters()] == before

@@ -760,3 +760,23 @@ def test_the_quick_optimizer_state_setter_leaves_hooked_or_overriding_optimizers
     own = Own(m.parameters(), lr=0.1, momentum=0.9)
     TrainingState(m, own)._load_optimizer(names, state, groups, {0: 0})
     assert called == ["post", "own"]
+
+
+def test_a_load_keeps_the_order_of_each_parameters_optimizer_slots(tmp_path: Path) -> None:
+    # AdamW makes "step" first; a load that put it last changed the saved layout, so the next save
+    # could not reuse the last one's DCP metadata (and rebuilt it: 0.1 s at 10,000 tensors).
+    m = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = [list(opt.state[p]) for p in m.parameters()]
+    assert before[0][0] == "step"
+    ck = Checkpointer()
+    st = TrainingState(m, opt)
+    saved = ck.save(str(tmp_path / "run"), 1, st)
+    ck.load(saved.path, st)
+    assert [list(opt.state[p]) for p in m.parameters()] == before
+    # A fresh optimizer (no state yet) takes the saved slots as they come.
+    fresh = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ck.load(saved.path, TrainingState(m, fresh))
+    assert all(set(fresh.state[p]) == set(b) for p, b in zip(m.parameters(), before, strict=True))

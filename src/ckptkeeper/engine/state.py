@@ -469,6 +469,12 @@ def _set_optimizer_state(
             if slots is None:
                 continue
             out = {}
+            now = opt.state.get(p)
+            if now and list(now) != list(slots):
+                # In the order the optimizer keeps them now (what load_state_dict gives when fed
+                # the optimizer's own state_dict, as DCP does): the next save then has the layout
+                # the last one had, and reuses its metadata instead of rebuilding it.
+                slots = {k: slots[k] for k in [*(k for k in now if k in slots), *(k for k in slots if k not in now)]}
             for key, v in slots.items():
                 if isinstance(v, torch.Tensor):
                     if key == "step":
