@@ -151,6 +151,27 @@ def test_a_multi_rank_load_keeps_the_order_of_the_optimizers_slots(tmp_path: Pat
     assert _ok(run_ranks(2, workers.slot_order_after_load, str(tmp_path / "run"), out=tmp_path / "o")) == [True, True]
 
 
+def test_verify_checks_the_per_rank_tables_sums(saved: Path, tmp_path: Path) -> None:
+    # A format-2 table re-signed with a wrong sum for intact bytes: loads trust those sums, so
+    # verify must refuse it (it passed, checking only whole files and the table's structure).
+    import json
+    import shutil
+
+    from ckptkeeper import Checkpointer, CorruptCheckpointError
+
+    from ..helpers import forge
+
+    path = tmp_path / "step5"
+    shutil.copytree(saved / "w2" / "step5", path)
+    Checkpointer().verify(str(path))
+    rel = "model_and_optim/.ckptkeeper-pieces-1.json"
+    table = json.loads((path / rel).read_bytes())
+    table["sums"][-1] = "0123456789abcdef"
+    forge(path, rel, json.dumps(table).encode())
+    with pytest.raises(CorruptCheckpointError, match=rf"__1_0.distcp is corrupt: the bytes of {table['names'][-1]}"):
+        Checkpointer().verify(str(path))
+
+
 def test_the_quick_model_state_dict_is_dcps_on_an_fsdp2_model(tmp_path: Path) -> None:
     assert _ok(run_ranks(2, workers.compare_model_state_dicts, out=tmp_path / "o")) == [True, True]
 

@@ -621,3 +621,45 @@ def test_a_load_without_room_for_a_backup_checks_the_tables_sums_before_writing(
     with pytest.raises(CorruptCheckpointError, match=r"model\.z"):
         Checkpointer(staging_budget_bytes=0).load(str(path), fresh)
     assert state_digest(fresh.model, fresh.optimizer) == before
+
+
+def test_verify_checks_each_segment_against_the_tables_sums(tmp_path: Path) -> None:
+    # Found by an outside attack: verify checked whole-file checksums and the tables' structure,
+    # not the tables' per-segment sums, which loads trust; a table re-signed with a wrong sum for
+    # intact bytes passed verify and then failed the load.
+    import json
+
+    from ..helpers import forge, small_state
+
+    state = small_state(seed=0)
+    # A tensor longer than verify's 8 MiB read (its sum spans reads), an empty one, and small
+    # ones on either side of it (segments that straddle a read's end).
+    state.model.register_buffer("big", torch.arange(3_000_000, dtype=torch.float32))
+    state.model.register_buffer("z", torch.zeros(0))
+    for i in range(40):
+        state.model.register_buffer(f"s{i}", torch.full((50_000 + i,), float(i)))
+    path = Path(Checkpointer().save(str(tmp_path), 1, state).path)
+    Checkpointer().verify(str(path))  # intact: every segment matches, whatever read it falls in
+    rel = "model_and_optim/.ckptkeeper-layout.json"
+    intact = (path / rel).read_bytes()
+    for fqn, kind, says in (
+        ("model.big", "data", "have checksum"),
+        ("model.z", "data", "have checksum"),
+        ("model.s39", "data", "have checksum"),
+        ("model.s0", "head", "shape or dtype"),  # a header's sum is the skeleton's: caught by the structure check
+    ):
+        table = json.loads(intact)
+        rows = table["model_and_optim/__0_0.distcp"]
+        next(row for row in rows if row[0] == kind and row[1] == fqn)[4] = "0123456789abcdef"
+        forge(path, rel, json.dumps(table).encode())
+        with pytest.raises(CorruptCheckpointError, match=rf"{fqn.replace('.', '[.]')}.*{says}"):
+            Checkpointer().verify(str(path))
+    forge(path, rel, intact)
+    Checkpointer().verify(str(path))
+    # A damaged data file is still reported as a file the record does not list.
+    data = path / "model_and_optim" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="the commit record says"):
+        Checkpointer().verify(str(path))

@@ -27,6 +27,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from ..errors import CheckpointError, CheckpointNotFoundError, CkptkeeperError, CorruptCheckpointError
 from ..storage import storage_for
 from ..storage.layout import COMMIT_RECORD, MODEL_DIR, TRAIN_DIR, check_relpath, parse_step, train_state_name
@@ -39,6 +41,7 @@ from .record import (
     check_digest,
     hash_file,
     loads_bounded,
+    new_hasher,
     record_is_ours,
 )
 
@@ -334,15 +337,23 @@ def verify(path: str, checksums: bool = True, structure: bool = True) -> CommitR
             "automatically) or restore this one from a copy"
         )
     assert record is not None
-    if checksums:
-        verify_checksums(path, record)
+    segments: dict[str, list[Any]] | None = None
     if structure:
-        verify_structure(path, record)
+        segments = verify_structure(path, record)
+    if checksums:
+        # Each data file's segments are checked against its table in the same read as the file:
+        # loads trust those sums, so a table that disagrees with intact files must fail here too
+        # (not pass verify and then fail the load).
+        verify_checksums(path, record, segments=segments)
     return record
 
 
-def verify_structure(path: str, record: CommitRecord) -> None:
-    """Decode the small files (after checking their checksums) and check the data file's layout."""
+def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
+    """Decode the small files (after checking their checksums) and check the data file's layout.
+
+    Returns each data file's segments (head, data and tail of every piece, keyed by the file's
+    path in the record) as its segment table gives them, for :func:`verify_checksums` to check.
+    """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from .fastio import parse_layout, saved_from_table
@@ -370,6 +381,7 @@ def verify_structure(path: str, record: CommitRecord) -> None:
         if rel.startswith(TRAIN_DIR + "/") and rel.endswith(".json"):
             loads_bounded(small(rel, MAX_STATE_BYTES), f"{path}/{rel}", max_bytes=MAX_STATE_BYTES, max_depth=64,
                           allow_nonfinite=True)  # fmt: skip
+    segments: dict[str, list[Any]] = {}
     for data_file, table_rel in segment_tables(record).items():
         rel = f"{MODEL_DIR}/{data_file}"
         try:
@@ -378,11 +390,14 @@ def verify_structure(path: str, record: CommitRecord) -> None:
             if table_rel is not None and is_pieces_table(table_rel):
                 doc = read_table_doc(path, record, data_file)
                 assert doc is not None
-                _check_pieces_table(table_pieces(doc[1], data_file, record.files[rel].bytes), metadata, data_file)
+                pieces = table_pieces(doc[1], data_file, record.files[rel].bytes)
+                _check_pieces_table(pieces, metadata, data_file)
+                segments[rel] = [seg for _, _, stored, _ in pieces for seg in stored.segs.values()]
                 continue
             found = read_segment_table(path, record, data_file)
             assert found is not None
-            parse_layout(found[0], record.files[rel].bytes, metadata, data_file)
+            by_fqn = parse_layout(found[0], record.files[rel].bytes, metadata, data_file)
+            segments[rel] = [seg for trio in by_fqn.values() for seg in trio.values()]
             if found[1].get("tensors") is not None:
                 # The tensor list loads use in place of DCP's metadata must say the same as it.
                 listed = saved_from_table(found[1]["tensors"])
@@ -398,7 +413,10 @@ def verify_structure(path: str, record: CommitRecord) -> None:
             raise CorruptCheckpointError(
                 f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
             ) from None
+    return segments
 
+
+_VERIFY_CHUNK = 8 << 20
 
 LAYOUT_FILE = f"{MODEL_DIR}/.ckptkeeper-layout.json"
 """The fast writer's segment table (one row per tensor), a file of the checkpoint listed in its
@@ -523,30 +541,107 @@ def verify_note(path: str) -> str | None:
     return OLMO_CORE_NOTE if parse_olmo_marker(data) is not None else None
 
 
-def verify_checksums(path: str, record: CommitRecord, where: str | None = None) -> None:
+def verify_checksums(
+    path: str, record: CommitRecord, where: str | None = None, segments: Mapping[str, list[Any]] | None = None
+) -> None:
     """Read every file the record lists and check its checksum (sizes are :func:`inspect`'s job).
 
     An OLMo-core checkpoint has none: the CRC-32 inside each ``torch.save`` record is checked.
-    ``where`` names the checkpoint in errors when ``path`` is a local copy of it.
+    ``where`` names the checkpoint in errors when ``path`` is a local copy of it. With
+    ``segments`` (``{file: [Segment, ...]}``, from :func:`verify_structure`) each listed segment of
+    a file is checked against its own checksum in the same read.
     """
     if isinstance(record, OlmoCoreRecord):
         _verify_olmo_crc(path, record, check_olmo_core(path, record, where), where)
         return
     storage = storage_for(path)
     local = storage.local_path(path)
+    named = where or path
     for rel, entry in record.files.items():
+        listed = (segments or {}).get(rel)
+        wrong: list[CorruptCheckpointError] = []
         if local is not None:
             try:
-                size, digest = hash_file(os.path.join(local, rel), follow_links=False)
+                if listed is None:
+                    size, digest = hash_file(os.path.join(local, rel), follow_links=False)
+                else:
+                    size, digest = hash_file_and_segments(os.path.join(local, rel), listed, f"{named}/{rel}", wrong)
             except FileNotFoundError:
-                raise CorruptCheckpointError(f"checkpoint {path} is corrupt: missing file {rel}") from None
+                raise CorruptCheckpointError(f"checkpoint {named} is corrupt: missing file {rel}") from None
             except OSError as exc:
-                raise CorruptCheckpointError(f"checkpoint {path}: cannot read {rel} ({exc.strerror})") from None
+                raise CorruptCheckpointError(f"checkpoint {named}: cannot read {rel} ({exc.strerror})") from None
         else:
             with tempfile.NamedTemporaryFile(prefix="ckptkeeper-verify-") as tmp:
                 storage.download(storage.join(path, rel), tmp.name)
-                size, digest = hash_file(tmp.name)
-        check_file(path, rel, entry, size, digest)
+                if listed is None:
+                    size, digest = hash_file(tmp.name)
+                else:
+                    size, digest = hash_file_and_segments(tmp.name, listed, f"{named}/{rel}", wrong)
+        check_file(named, rel, entry, size, digest)
+        if wrong:
+            # The file is the one the record lists, its table says otherwise about its bytes.
+            raise wrong[0]
+
+
+def hash_file_and_segments(
+    path: str, segments: list[Any], where: str, wrong: list[CorruptCheckpointError]
+) -> tuple[int, str]:
+    """:func:`hash_file` of a data file, checking in the same read each segment against its checksum.
+
+    The first mismatch is appended to ``wrong`` (not raised: a file that is not the one the
+    record lists is reported as that first, by the caller). Why not two passes: the data files
+    are most of a checkpoint's bytes, and verify already reads each once.
+    """
+    from .fastio import segment_mismatch
+
+    # Keyed on offset and length: an empty tensor's data segment starts where its tail does.
+    ordered = sorted({(s.offset, s.length): s for s in segments}.values(), key=lambda s: (s.offset, s.length))
+    whole = new_hasher()
+    part: Any = None  # the hasher of a segment that runs on into the next chunk
+    i = 0
+    n = 0
+
+    def compare(seg: Any, got: str) -> None:
+        if got != seg.xxh3_64 and not wrong:
+            wrong.append(segment_mismatch(where, seg.fqn, seg.kind, got, seg.xxh3_64))
+
+    with os.fdopen(open_regular(path, follow_links=False), "rb", buffering=0) as f:
+        buf = bytearray(_VERIFY_CHUNK)
+        view = memoryview(buf)
+        while True:
+            got = f.readinto(buf)
+            if not got:
+                break
+            chunk = view[:got]
+            whole.update(chunk)
+            lo, hi = n, n + got
+            while i < len(ordered):
+                seg = ordered[i]
+                end = seg.offset + seg.length
+                if seg.offset > hi or (seg.offset == hi and seg.length):
+                    break  # starts in a later chunk
+                if part is None and seg.offset >= lo and end <= hi:
+                    compare(seg, xxhash.xxh3_64_hexdigest(chunk[seg.offset - lo : end - lo]))
+                    i += 1
+                    continue
+                if part is None:
+                    part = xxhash.xxh3_64()
+                part.update(chunk[max(seg.offset, lo) - lo : min(end, hi) - lo])
+                if end > hi:
+                    break  # runs on into the next chunk
+                compare(seg, part.hexdigest())
+                part = None
+                i += 1
+            n = hi
+    if i < len(ordered) and not wrong:
+        seg = ordered[i]
+        wrong.append(
+            CorruptCheckpointError(
+                f"{where} is corrupt: its segment table places {seg.fqn} ({seg.kind}) past the file's end "
+                f"({n} bytes); load an earlier checkpoint or restore this one from a copy"
+            )
+        )
+    return n, whole.hexdigest()
 
 
 def check_file(path: str, rel: str, entry: FileEntry, size: int, digest: str | None) -> None:
