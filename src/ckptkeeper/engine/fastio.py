@@ -506,7 +506,11 @@ def _trios(segments: list[Segment]) -> Iterator[list[Segment]]:
 
 
 def write_items(
-    data_path: str, tensors: list[tuple[str, torch.Tensor]], threads: int = 2, sink: Upload | None = None
+    data_path: str,
+    tensors: list[tuple[str, torch.Tensor]],
+    threads: int = 2,
+    sink: Upload | None = None,
+    then: Callable[[list[Segment]], None] | None = None,
 ) -> tuple[FileEntry, list[Segment], list[int]]:
     """Write each tensor as one ``torch.save`` blob, one after another, into a new file at ``data_path``.
 
@@ -514,7 +518,9 @@ def write_items(
     Returns the file's size and checksum, its segments (head, data, tail of each tensor, in
     order, each with its checksum) and where each tensor's blob starts. With ``sink`` the bytes
     are streamed there instead (an object-store upload; ``data_path`` is not written), and the
-    sink is closed (or aborted on failure).
+    sink is closed (or aborted on failure). ``then(segments)`` runs once the segments are known,
+    while the file is being flushed to disk (the caller's own bookkeeping overlaps the flush);
+    this returns after both.
     """
     with paused_gc():
         items = []
@@ -531,7 +537,10 @@ def write_items(
                 pieces += ((start, head), (start + len(head), data), (start + len(head) + len(data), tail))
             jobs = _gather(pieces)
     if sink is not None:
-        return _stream_items(sink, items, total)
+        out = _stream_items(sink, items, total)
+        if then is not None:
+            then(out[1])
+        return out
     fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         if total:
@@ -550,20 +559,30 @@ def write_items(
             deque(map(whole.update, (b for it in items for b in it[1:4])), maxlen=0)
             for fut in pending:
                 fut.result()
-        os.fsync(fd)
+            # The flush waits on the disk (~0.1 s for 150 MB here): the per-piece bookkeeping,
+            # this function's and the caller's, runs beside it instead of after it.
+            flushed = pool.submit(os.fsync, fd)
+            try:
+                with paused_gc():
+                    segments: list[Segment] = []
+                    new = _new_segment
+                    for (fqn, head, data, tail, start, head_sum, tail_sum), data_sum in zip(
+                        items, data_sums, strict=True
+                    ):
+                        at = start + len(head)
+                        segments += (
+                            new(Segment, ("head", fqn, start, len(head), head_sum)),
+                            new(Segment, ("data", fqn, at, len(data), data_sum)),
+                            new(Segment, ("tail", fqn, at + len(data), len(tail), tail_sum)),
+                        )
+                if then is not None:
+                    then(segments)
+            finally:
+                # Also on the way out of an error: the file is closed only after its flush.
+                flushed.result()
     finally:
         os.close(fd)
-    with paused_gc():
-        segments: list[Segment] = []
-        new = _new_segment
-        for (fqn, head, data, tail, start, head_sum, tail_sum), data_sum in zip(items, data_sums, strict=True):
-            at = start + len(head)
-            segments += (
-                new(Segment, ("head", fqn, start, len(head), head_sum)),
-                new(Segment, ("data", fqn, at, len(data), data_sum)),
-                new(Segment, ("tail", fqn, at + len(data), len(tail), tail_sum)),
-            )
-        return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
+    return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
 
 
 def _stream_items(sink: Upload, items: list[Any], total: int) -> tuple[FileEntry, list[Segment], list[int]]:

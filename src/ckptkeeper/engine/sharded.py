@@ -324,25 +324,31 @@ def write_shard(
         mine = [p for p in pieces if p.writer]
         tensors = [(p.fqn, exact(p.tensor)) for p in mine]
     name = shard_name(rank)
-    entry, segments, _ = write_items(os.path.join(model_dir, name), tensors, threads, sink)
-    with paused_gc():
-        kinds: dict[tuple[Any, ...], int] = {}
-        column = []
-        odd = []
-        for i, (p, (_, t)) in enumerate(zip(mine, tensors, strict=True)):
-            key = (t.dtype, p.global_shape, p.offsets, tuple(t.shape))
-            k = kinds.get(key)
-            if k is None:
-                k = kinds[key] = len(kinds)
-            column.append(k)
-            if p.path != tuple(p.fqn.split(".")):
-                odd.append((i, p.path))
-        layout = ShardLayout(tuple(p.fqn for p in mine), tuple(kinds), tuple(column), tuple(odd))
-        data_sums = [segments[3 * i + 1].xxh3_64 for i in range(len(mine))]
-        encoded = _encode_table(f"{MODEL_DIR}/{name}", layout, data_sums)
     table = os.path.join(os.path.dirname(model_dir), table_name(rank))
-    files = {f"{MODEL_DIR}/{name}": entry, table_name(rank): write_synced(table, encoded)}
-    return files, layout
+    made: list[tuple[ShardLayout, FileEntry]] = []
+
+    def write_table(segments: list[Segment]) -> None:
+        # Run while the data file is flushed: the table's per-piece columns and its own write.
+        with paused_gc():
+            kinds: dict[tuple[Any, ...], int] = {}
+            column = []
+            odd = []
+            for i, (p, (_, t)) in enumerate(zip(mine, tensors, strict=True)):
+                key = (t.dtype, p.global_shape, p.offsets, tuple(t.shape))
+                k = kinds.get(key)
+                if k is None:
+                    k = kinds[key] = len(kinds)
+                column.append(k)
+                if p.path != tuple(p.fqn.split(".")):
+                    odd.append((i, p.path))
+            layout = ShardLayout(tuple(p.fqn for p in mine), tuple(kinds), tuple(column), tuple(odd))
+            data_sums = [segments[3 * i + 1].xxh3_64 for i in range(len(mine))]
+            encoded = _encode_table(f"{MODEL_DIR}/{name}", layout, data_sums)
+        made.append((layout, write_synced(table, encoded)))
+
+    entry, _, _ = write_items(os.path.join(model_dir, name), tensors, threads, sink, then=write_table)
+    layout, table_entry = made[0]
+    return {f"{MODEL_DIR}/{name}": entry, table_name(rank): table_entry}, layout
 
 
 def _encode_table(data_rel: str, layout: ShardLayout, data_sums: list[str]) -> bytes:
