@@ -75,6 +75,23 @@ def test_verify_passes_then_fails_after_a_flipped_byte(tmp_path: Path, folder: P
     assert main(["ls", str(folder), "--verify", "--json"]) == 1
 
 
+def test_verify_takes_a_checkpoint_copied_to_a_folder_of_another_name(tmp_path: Path, folder: Path) -> None:
+    # It said "no checkpoints here": only step{N} folders were taken as checkpoints.
+    import shutil
+
+    copy = tmp_path / "kept" / "best-model"
+    shutil.copytree(folder / "step20", copy)
+    res = run_cli("verify", str(copy) + "/", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (row,) = json.loads(res.stdout)
+    assert row["ok"] and row["step"] == 20 and row["path"] == str(copy)
+    (copy / "model_and_optim" / "__0_0.distcp").write_bytes(b"x")
+    bad = run_cli("verify", str(copy), cwd=tmp_path)
+    assert bad.returncode == 1 and "FAILED" in bad.stdout and "__0_0.distcp" in bad.stdout
+    # A folder of such copies is still no save folder.
+    assert "no checkpoints here" in run_cli("verify", str(tmp_path / "kept"), cwd=tmp_path).stdout
+
+
 def test_rm_removes_the_step_folder(tmp_path: Path, folder: Path) -> None:
     res = ck("rm", str(folder / "step20"), "--yes", cwd=tmp_path)
     assert res.returncode == 0, res.stderr

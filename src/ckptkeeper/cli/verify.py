@@ -22,19 +22,26 @@ def add_parser(sub: Any) -> None:
         help="check every file of checkpoints against their commit records (sizes and checksums)",
         description="Read every file of each checkpoint and compare its size and xxh3 checksum with the commit "
         "record; decode the small files safely and check the data layout. Each PATH is a checkpoint (a step{N} "
-        "folder) or a save folder (then every checkpoint in it). One line per checkpoint; exit 1 if any fails.",
+        "folder, or any folder holding a commit record) or a save folder (then every checkpoint in it). One line "
+        "per checkpoint; exit 1 if any fails.",
     )
-    p.add_argument("paths", nargs="+", metavar="PATH", help="a step folder or a save folder (path or URL)")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="a checkpoint or a save folder (path or URL)")
     p.add_argument("--json", action="store_true", help="print a JSON list of {path, step, ok, problem, bytes}")
     p.set_defaults(func=run)
 
 
 def checkpoints_under(path: str) -> list[str]:
-    """``path`` itself when it is a step folder, else the step folders inside it (complete or not)."""
+    """``path`` itself when it is a step folder or holds a commit record (a checkpoint copied to a
+    folder of another name), else the step folders inside it (complete or not)."""
     from ..engine import discovery
+    from ..storage.layout import COMMIT_RECORD
 
-    if parse_step(path.rstrip("/").rsplit("/", 1)[-1]) is not None:
-        return [path.rstrip("/")]
+    path = path.rstrip("/") or path
+    if parse_step(path.rsplit("/", 1)[-1]) is not None:
+        return [path]
+    storage = storage_for(path)
+    if storage.exists(storage.join(path, COMMIT_RECORD)):
+        return [path]
     return [i.path for i in discovery.list_checkpoints(path)]
 
 
@@ -57,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
             stored = sum(f.size for f in storage_for(ckpt).walk(ckpt))
             with progress(f"verifying step {step}", stored) as advance:
                 try:
-                    discovery.verify(ckpt)
+                    record = discovery.verify(ckpt)
+                    if step is None:  # a checkpoint in a folder not named step{N}: its record says
+                        step = record.step
                     note = getattr(discovery, "verify_note", lambda p: None)(ckpt)
                     rows.append({"path": ckpt, "step": step, "ok": True, "problem": None, "bytes": stored,
                                  "note": note})  # fmt: skip
