@@ -3,7 +3,8 @@
 Builds, for each simulated rank, the files a sharded save writes (its DCP data file, its segment
 table and its trainer-state JSON; rank 0 also DCP's ``.metadata``) and the table of them it hands
 rank 0 (the gather of the save's "writing trainer state" step), then the commit record rank 0
-writes; and the size of the per-piece entries rank 0 gathers to write DCP's ``.metadata``. It
+writes; the size of the layouts (piece names and kinds) rank 0 gathers to write DCP's
+``.metadata``; and the segment-table bytes a load reads (every rank reads every rank's table). It
 then lays ``--checkpoints`` such checkpoints out on local disk (sparse files of the right sizes,
 the real records) and times ``ckptkeeper``'s listing, which reads only each record and the
 folder's file sizes. Tensor counts matter only to what per-tensor bookkeeping would cost; the
@@ -27,19 +28,30 @@ import torch
 
 from ckptkeeper.engine import discovery
 from ckptkeeper.engine.record import CommitRecord, FileEntry
-from ckptkeeper.engine.sharded import table_name
+from ckptkeeper.engine.sharded import ShardLayout, _encode_table, shard_name, table_name
 from ckptkeeper.storage.layout import COMMIT_RECORD, MODEL_DIR, step_dir_name, train_state_name
 
 ROW_BYTES_INLINE = 282
 """Bytes one tensor's segment row took inside the record before the table had a file of its own."""
 
 
-def rank_files(rank: int, tensors: int, tensor_bytes: int) -> dict[str, FileEntry]:
+def rank_layout(rank: int, ranks: int, tensors: int) -> tuple[ShardLayout, bytes]:
+    """One rank's gathered layout and its encoded format-2 segment table, as a save makes them:
+    ``tensors`` FSDP2 shards (rows split over the ranks) of 4096-column weights in 8 shapes, as a
+    stack of transformer blocks repeats a few (the kinds column lists each shape once)."""
+    kinds = tuple((torch.float32, (4 * ranks * (k + 1), 4096), (rank * 4 * (k + 1), 0), (4 * (k + 1), 4096))
+                  for k in range(min(8, tensors)))  # fmt: skip
+    names = tuple(f"model.layers.{i // 8}.block.w{i % 8}" for i in range(tensors))
+    layout = ShardLayout(names, kinds, tuple(i % len(kinds) for i in range(tensors)), ())
+    table = _encode_table(f"{MODEL_DIR}/{shard_name(rank)}", layout, [f"{i:016x}" for i in range(tensors)])
+    return layout, table
+
+
+def rank_files(rank: int, tensors: int, tensor_bytes: int, table_bytes: int) -> dict[str, FileEntry]:
     """What one rank writes and hashes in a sharded save (a fake checksum per file)."""
     files = {
         f"{MODEL_DIR}/__{rank}_0.distcp": FileEntry(tensors * tensor_bytes, f"{rank:016x}"),
-        # Its segment table: three rows (head, data, tail) of about 100 bytes per tensor.
-        table_name(rank): FileEntry(tensors * 300, f"{rank + 2:016x}"),
+        table_name(rank): FileEntry(table_bytes, f"{rank + 2:016x}"),
         train_state_name(rank): FileEntry(2048, f"{rank + 1:016x}"),
     }
     if rank == 0:
@@ -49,14 +61,14 @@ def rank_files(rank: int, tensors: int, tensor_bytes: int) -> dict[str, FileEntr
 
 def simulate(ranks: int, tensors: int, checkpoints: int, tensor_bytes: int = 4096) -> dict[str, Any]:
     """Build the record and the gather for ``ranks`` x ``tensors``, then time listing ``checkpoints`` of them."""
-    per_rank = [rank_files(r, tensors, tensor_bytes) for r in range(ranks)]
+    # Every rank's layout has the same size (names and kinds differ only in numbers of the same
+    # width): one rank's, measured, stands for each.
+    layout, table = rank_layout(1, ranks, tensors)
+    per_rank = [rank_files(r, tensors, tensor_bytes, len(table)) for r in range(ranks)]
     gathered = sum(len(pickle.dumps(files)) for files in per_rank)  # all_gather_object pickles each rank's table
-    # Rank 0 also gathers one entry per piece of every rank, to write DCP's .metadata (DCP's own
-    # format names every piece): measured for one rank's entries, times the ranks.
-    entries = [(f"layers.{i}.weight", ("layers", str(i), "weight"), (4096, 4096), torch.float32,
-                (4096 // ranks * 0, 0), (4096 // ranks, 4096), i * tensor_bytes, tensor_bytes)
-               for i in range(tensors)]  # fmt: skip
-    metadata_gather = len(pickle.dumps(entries)) * ranks
+    # Rank 0 also gathers every rank's layout (names and kinds of its pieces), to write DCP's
+    # .metadata (DCP's own format names every piece of every rank).
+    metadata_gather = len(pickle.dumps(layout)) * ranks
     files: dict[str, FileEntry] = {}
     for part in per_rank:
         files.update(part)
@@ -86,6 +98,11 @@ def simulate(ranks: int, tensors: int, checkpoints: int, tensor_bytes: int = 409
         "record_bytes_if_segments_were_inline": len(record) + ranks * tensors * ROW_BYTES_INLINE,
         "bytes_rank0_gathers": gathered,
         "bytes_rank0_gathers_for_dcp_metadata": metadata_gather,
+        "segment_table_bytes_per_rank": len(table),
+        # A load reads every rank's table (it plans from all pieces, at any world size): what
+        # each rank reads, and all ranks together, before its first tensor byte.
+        "table_bytes_each_rank_reads_per_load": len(table) * ranks,
+        "table_bytes_all_ranks_read_per_load": len(table) * ranks * ranks,
         "checkpoints_listed": checkpoints,
         "ls_seconds_per_checkpoint": took / checkpoints,
     }
