@@ -170,6 +170,15 @@ def test_verify_checks_the_per_rank_tables_sums(saved: Path, tmp_path: Path) -> 
     forge(path, rel, json.dumps(table).encode())
     with pytest.raises(CorruptCheckpointError, match=rf"__1_0.distcp is corrupt: the bytes of {table['names'][-1]}"):
         Checkpointer().verify(str(path))
+    # A kind forged to a 4 GiB piece (an outside attack: verify took 12 s and 4 GiB to refuse it)
+    # is refused before anything is worked out for it.
+    table = json.loads((path / rel).read_bytes())
+    table["kinds"][0][1] = [1 << 30, 4]
+    table["kinds"][0][2] = [0, 0]
+    table["kinds"][0][3] = [1 << 30, 4]
+    forge(path, rel, json.dumps(table).encode())
+    with pytest.raises(CorruptCheckpointError, match="larger than the file"):
+        Checkpointer().verify(str(path))
 
 
 def test_the_quick_model_state_dict_is_dcps_on_an_fsdp2_model(tmp_path: Path) -> None:

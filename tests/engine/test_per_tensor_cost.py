@@ -663,3 +663,75 @@ def test_verify_checks_each_segment_against_the_tables_sums(tmp_path: Path) -> N
     data.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match="the commit record says"):
         Checkpointer().verify(str(path))
+
+
+def test_verify_checks_every_empty_segment(tmp_path: Path) -> None:
+    # Found by an outside attack: verify checked segments deduplicated on (offset, length), so
+    # of two empty segments at one offset (an empty head with a forged checksum, an empty data
+    # segment) only one was checked; the checkpoint verified and then failed to load.
+    import json
+
+    import xxhash
+    from torch import nn
+
+    from ckptkeeper import TrainingState
+
+    from ..helpers import forge
+
+    def state() -> TrainingState:
+        m = nn.Module()
+        m.register_buffer("empty", torch.zeros(0))
+        m.register_buffer("w", torch.ones(3))
+        return TrainingState(m)
+
+    path = Path(Checkpointer().save(str(tmp_path), 1, state()).path)
+    rel, data_rel = "model_and_optim/.ckptkeeper-layout.json", "model_and_optim/__0_0.distcp"
+    raw = (path / data_rel).read_bytes()
+    table = json.loads((path / rel).read_bytes())
+    table.pop("tensors")  # optional (older tables have none): head sums are then not pinned to a shape
+    rows = table[data_rel]
+    i = next(k for k, row in enumerate(rows) if row[1] == "model.empty" and row[0] == "head")
+    start, end = rows[i][2], rows[i + 2][2] + rows[i + 2][3]
+    rows[i] = ["head", "model.empty", start, 0, "0123456789abcdef"]
+    rows[i + 1] = ["data", "model.empty", start, 0, xxhash.xxh3_64_hexdigest(b"")]
+    rows[i + 2] = ["tail", "model.empty", start, end - start, xxhash.xxh3_64_hexdigest(raw[start:end])]
+    forge(path, rel, json.dumps(table).encode())
+    with pytest.raises(CorruptCheckpointError, match=r"model[.]empty \(head\) have checksum"):
+        Checkpointer().verify(str(path))
+    with pytest.raises(CorruptCheckpointError, match=r"model[.]empty \(head\)"):
+        Checkpointer().load(str(path), state())
+
+
+def test_a_skeleton_costs_no_memory_for_the_tensors_bytes() -> None:
+    # Found by an outside attack: a piece's torch.save header was worked out by saving an empty
+    # tensor into a BytesIO under skip_data, which filled the skipped bytes with zeros: 1 GiB
+    # for a 1 GiB tensor (on the first save or load of each shape), and a forged 4 GiB kind in a
+    # 100 KB checkpoint's table cost verify 4 GiB and 12 s before it was refused.
+    import io
+    import tracemalloc
+
+    def by_torch(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, bytes]:
+        buf = io.BytesIO()
+        torch.serialization.set_crc32_options(False)
+        try:
+            with torch.serialization.skip_data():
+                torch.save(torch.empty(shape, dtype=dtype), buf)
+        finally:
+            torch.serialization.set_crc32_options(True)
+        raw = buf.getvalue()
+        at = torch._C.PyTorchFileReader(io.BytesIO(raw)).get_record_offset("data/0")  # type: ignore[attr-defined]
+        return raw[:at], raw[at + torch.empty(shape, dtype=dtype).nbytes :]
+
+    for shape in [(), (0,), (3, 5), (7, 0, 3), (65,), (100_000,)]:
+        for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.complex64, torch.int64):
+            fastio._SKELETONS.pop((shape, dtype), None)
+            head, tail, _, _ = fastio._skeleton(torch.empty(shape, dtype=dtype))
+            assert (head, tail) == by_torch(shape, dtype), (shape, dtype)
+    fastio._SKELETONS.pop(((1 << 30,), torch.uint8), None)
+    tracemalloc.start()
+    try:
+        fastio.skeleton_layout((1 << 30,), torch.uint8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

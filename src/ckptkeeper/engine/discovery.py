@@ -594,8 +594,12 @@ def hash_file_and_segments(
     """
     from .fastio import segment_mismatch
 
-    # Keyed on offset and length: an empty tensor's data segment starts where its tail does.
-    ordered = sorted({(s.offset, s.length): s for s in segments}.values(), key=lambda s: (s.offset, s.length))
+    # Keyed on offset, length and checksum: an empty segment starts where the next one does, and
+    # two empty ones at one offset may claim different checksums (a forged table's): every
+    # distinct claim is checked (found by an outside attack).
+    ordered = sorted(
+        {(s.offset, s.length, s.xxh3_64): s for s in segments}.values(), key=lambda s: (s.offset, s.length)
+    )
     whole = new_hasher()
     part: Any = None  # the hasher of a segment that runs on into the next chunk
     i = 0

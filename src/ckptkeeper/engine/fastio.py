@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
-from typing import Any, NamedTuple, TypeVar
+from typing import IO, Any, NamedTuple, TypeVar, cast
 
 import torch
 import xxhash
@@ -334,26 +334,85 @@ def _skeleton_of(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, byt
     return cached
 
 
+class _SparseFile(io.RawIOBase):
+    """A seekable in-memory file that keeps only the bytes written to it (gaps read as zeros).
+
+    ``torch.save`` under ``skip_data`` seeks over each storage's bytes rather than writing them:
+    into a BytesIO that seek was filled with zeros at the next write, so working out the header of
+    a 4 GiB tensor cost a 4 GiB buffer (and a forged table's shape could exhaust memory before
+    the table was refused). Here the skipped bytes are never stored.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._parts: list[tuple[int, bytes]] = []
+        self._pos = 0
+        self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        self._parts.append((self._pos, data))
+        self._pos += len(data)
+        self.size = max(self.size, self._pos)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = max(0, base + offset)
+        self.size = max(self.size, self._pos)  # a seek past the end extends the file, as on disk
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def span(self, start: int, end: int) -> bytes:
+        """The bytes in [start, end): what was written there, zeros elsewhere."""
+        out = bytearray(max(0, end - start))
+        for at, data in self._parts:
+            lo, hi = max(at, start), min(at + len(data), end)
+            if lo < hi:
+                out[lo - start : hi - start] = data[lo - at : hi - at]
+        return bytes(out)
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = max(0, min(len(view), self.size - self._pos))
+        view[:n] = self.span(self._pos, self._pos + n)
+        self._pos += n
+        return n
+
+
 def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
     """The ``torch.save`` bytes around ``t``'s data (head, tail) and their checksums, cached per shape and dtype."""
     key = (tuple(t.shape), t.dtype)
     cached = _SKELETONS.get(key)
     if cached is not None:
         return cached
-    buf = io.BytesIO()
+    buf = _SparseFile()
     # CRC32 of the data record cannot be known without the data; torch.load does not check it.
     # The option is process-global, so it is switched off only around this call, under a lock.
     with _CRC_LOCK:
         torch.serialization.set_crc32_options(False)
         try:
             with torch.serialization.skip_data():
-                torch.save(torch.empty(t.shape, dtype=t.dtype), buf)
+                # torch.empty is not touched (no memory used), and under skip_data the storage's
+                # bytes are sought over in the sparse file, never written.
+                torch.save(torch.empty(t.shape, dtype=t.dtype), cast(IO[bytes], buf))
         finally:
             torch.serialization.set_crc32_options(True)
-    raw = buf.getvalue()
-    offset = torch._C.PyTorchFileReader(io.BytesIO(raw)).get_record_offset("data/0")  # type: ignore[attr-defined]
+    buf.seek(0)
+    offset = torch._C.PyTorchFileReader(cast(IO[bytes], buf)).get_record_offset("data/0")  # type: ignore[attr-defined]
     nbytes = t.numel() * t.element_size()
-    head, tail = raw[:offset], raw[offset + nbytes :]
+    head, tail = buf.span(0, offset), buf.span(offset + nbytes, buf.size)
     entry = (head, tail, xxhash.xxh3_64_hexdigest(head), xxhash.xxh3_64_hexdigest(tail))
     _SKELETONS[key] = entry
     return entry

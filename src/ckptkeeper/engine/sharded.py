@@ -441,6 +441,8 @@ def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
         if not (type(entry) is list and len(entry) == 4 and all(type(x) is list for x in entry[1:])):
             raise ValueError(f"the segment table of {data_file} has a malformed kind of piece (#{i})")
         whole, offsets, sizes, nbytes, _ = _piece_facts(f"kind #{i}", entry, data_file)
+        if nbytes > file_size:
+            raise ValueError(f"the segment table of {data_file} lists a piece larger than the file")
         head, tail, head_sum, tail_sum = skeleton_layout(sizes, cast(torch.dtype, whole.dtype))
         facts.append((whole, offsets, sizes, head, nbytes, tail, head_sum, tail_sum, math.prod(sizes)))
     file = data_file
@@ -936,9 +938,11 @@ def check_stored(source: Source, segments: Mapping[str, Iterable[Segment]]) -> N
     the table's per-segment checksums, and a table can disagree with intact files.
     """
     for rel, listed in segments.items():
-        # Keyed on offset and length: an empty tensor's data segment starts where its tail does,
-        # and must be checked too (its checksum is that of no bytes).
-        ordered = sorted({(seg.offset, seg.length): seg for seg in listed}.values(), key=lambda s: (s.offset, s.length))
+        # Keyed on offset, length and checksum: an empty tensor's data segment starts where its
+        # tail does, and two empty segments at one offset may claim different checksums (a
+        # forged table's): each must be checked (found by outside attacks).
+        ordered = sorted({(seg.offset, seg.length, seg.xxh3_64): seg for seg in listed}.values(),
+                         key=lambda s: (s.offset, s.length))  # fmt: skip
         run: list[Segment] = []
         for seg in ordered:
             if run and (
