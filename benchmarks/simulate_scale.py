@@ -4,7 +4,8 @@ Builds, for each simulated rank, the files a sharded save writes (its DCP data f
 table and its trainer-state JSON; rank 0 also DCP's ``.metadata``) and the table of them it hands
 rank 0 (the gather of the save's "writing trainer state" step), then the commit record rank 0
 writes; the size of the layouts (piece names and kinds) rank 0 gathers to write DCP's
-``.metadata``; and the segment-table bytes a load reads (every rank reads every rank's table). It
+``.metadata``; and the segment-table bytes a load reads (its own table and rank 0's shared index
+at the saved world size, every rank's table at another). It
 then lays ``--checkpoints`` such checkpoints out on local disk (sparse files of the right sizes,
 the real records) and times ``ckptkeeper``'s listing, which reads only each record and the
 folder's file sizes. Tensor counts matter only to what per-tensor bookkeeping would cost; the
@@ -28,7 +29,7 @@ import torch
 
 from ckptkeeper.engine import discovery
 from ckptkeeper.engine.record import CommitRecord, FileEntry
-from ckptkeeper.engine.sharded import ShardLayout, _encode_table, shard_name, table_name
+from ckptkeeper.engine.sharded import INDEX_FILE, ShardLayout, _encode_table, index_bytes, shard_name, table_name
 from ckptkeeper.storage.layout import COMMIT_RECORD, MODEL_DIR, step_dir_name, train_state_name
 
 ROW_BYTES_INLINE = 282
@@ -47,7 +48,7 @@ def rank_layout(rank: int, ranks: int, tensors: int) -> tuple[ShardLayout, bytes
     return layout, table
 
 
-def rank_files(rank: int, tensors: int, tensor_bytes: int, table_bytes: int) -> dict[str, FileEntry]:
+def rank_files(rank: int, tensors: int, tensor_bytes: int, table_bytes: int, index_bytes: int) -> dict[str, FileEntry]:
     """What one rank writes and hashes in a sharded save (a fake checksum per file)."""
     files = {
         f"{MODEL_DIR}/__{rank}_0.distcp": FileEntry(tensors * tensor_bytes, f"{rank:016x}"),
@@ -56,6 +57,7 @@ def rank_files(rank: int, tensors: int, tensor_bytes: int, table_bytes: int) -> 
     }
     if rank == 0:
         files[f"{MODEL_DIR}/.metadata"] = FileEntry(64 * tensors, "0" * 16)
+        files[INDEX_FILE] = FileEntry(index_bytes, "1" * 16)
     return files
 
 
@@ -64,7 +66,10 @@ def simulate(ranks: int, tensors: int, checkpoints: int, tensor_bytes: int = 409
     # Every rank's layout has the same size (names and kinds differ only in numbers of the same
     # width): one rank's, measured, stands for each.
     layout, table = rank_layout(1, ranks, tensors)
-    per_rank = [rank_files(r, tensors, tensor_bytes, len(table)) for r in range(ranks)]
+    # Rank 0's shared index (every tensor once, and the whole pieces: none here, all sharded),
+    # which a load at the saved world size reads with its own table instead of every table.
+    index = index_bytes([(rank_layout(r, ranks, tensors)[0], ()) for r in range(ranks)])
+    per_rank = [rank_files(r, tensors, tensor_bytes, len(table), len(index)) for r in range(ranks)]
     gathered = sum(len(pickle.dumps(files)) for files in per_rank)  # all_gather_object pickles each rank's table
     # Rank 0 also gathers every rank's layout (names and kinds of its pieces), to write DCP's
     # .metadata (DCP's own format names every piece of every rank).
@@ -99,10 +104,12 @@ def simulate(ranks: int, tensors: int, checkpoints: int, tensor_bytes: int = 409
         "bytes_rank0_gathers": gathered,
         "bytes_rank0_gathers_for_dcp_metadata": metadata_gather,
         "segment_table_bytes_per_rank": len(table),
-        # A load reads every rank's table (it plans from all pieces, at any world size): what
-        # each rank reads, and all ranks together, before its first tensor byte.
-        "table_bytes_each_rank_reads_per_load": len(table) * ranks,
-        "table_bytes_all_ranks_read_per_load": len(table) * ranks * ranks,
+        "shared_index_bytes": len(index),
+        # What each rank reads, and all ranks together, before its first tensor byte: at the
+        # saved world size its own table and the shared index; at another, every rank's table.
+        "table_bytes_each_rank_reads_per_load": len(table) + len(index),
+        "table_bytes_all_ranks_read_per_load": (len(table) + len(index)) * ranks,
+        "table_bytes_each_rank_reads_per_resharding_load": len(table) * ranks,
         "checkpoints_listed": checkpoints,
         "ls_seconds_per_checkpoint": took / checkpoints,
     }

@@ -32,7 +32,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
                               out=d / f"o{world}"))  # fmt: skip
         expected = {f"model_and_optim/__{r}_0.distcp" for r in range(world)}
         expected |= {f"model_and_optim/.ckptkeeper-pieces-{r}.json" for r in range(world)}
-        expected |= {f"train/rank{r}.json" for r in range(world)} | {"model_and_optim/.metadata"}
+        expected |= {f"train/rank{r}.json" for r in range(world)}
+        expected |= {"model_and_optim/.metadata", "model_and_optim/.ckptkeeper-index.json"}
         assert set(files[0]) == expected
     return d
 
@@ -179,6 +180,62 @@ def test_verify_checks_the_per_rank_tables_sums(saved: Path, tmp_path: Path) -> 
     forge(path, rel, json.dumps(table).encode())
     with pytest.raises(CorruptCheckpointError, match="larger than the file"):
         Checkpointer().verify(str(path))
+
+
+def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index(saved: Path, tmp_path: Path) -> None:
+    # Every rank had read every rank's table: at 1,024 ranks of 1,000 tensors, 50 MB per rank.
+    import json
+    import shutil
+
+    from ckptkeeper import Checkpointer, CorruptCheckpointError
+
+    from ..helpers import forge
+
+    out = _ok(run_ranks(2, workers.load_wide_counting_tables, str(saved / "w2" / "step5"), str(saved / "ref2.pt"),
+                        out=tmp_path / "o1"))  # fmt: skip
+    for rank, value in enumerate(out):
+        assert value["equal"] and value["reader"] == "pieces", value
+        assert value["tables"] == [f"__{rank}_0.distcp"], value
+    # At another world size every table is read (any rank's pieces may be needed).
+    out = _ok(run_ranks(3, workers.load_wide_counting_tables, str(saved / "w2" / "step5"), str(saved / "ref2.pt"),
+                        out=tmp_path / "o2"))  # fmt: skip
+    assert all(v["equal"] and v["tables"] == ["__0_0.distcp", "__1_0.distcp"] for v in out), out
+
+    # An index that leaves out whole pieces a rank needs (the other rank wrote them): that rank
+    # plans from every table instead, and the load is still exact.
+    path = tmp_path / "step5"
+    shutil.copytree(saved / "w2" / "step5", path)
+    rel = "model_and_optim/.ckptkeeper-index.json"
+    intact = json.loads((path / rel).read_bytes())
+    whole = intact["whole"]
+    assert set(whole["rank"]) == {0, 1}  # AdamW's step tensors, spread over both ranks' files
+    keep = [i for i, r in enumerate(whole["rank"]) if r == 0]
+    cut = {**intact, "whole": {k: (v if k == "kinds" else [v[i] for i in keep]) for k, v in whole.items()}}
+    forge(path, rel, json.dumps(cut).encode())
+    out = _ok(run_ranks(2, workers.load_wide_counting_tables, str(path), str(saved / "ref2.pt"), out=tmp_path / "o3"))
+    assert all(v["equal"] for v in out), out
+    assert out[0]["tables"] == ["__0_0.distcp", "__1_0.distcp"] and out[1]["tables"] == ["__1_0.distcp"], out
+
+    # A damaged index (a whole piece placed past its file's end, a checksum that is not the
+    # data's, another world size) fails every rank with nothing changed; verify refuses each.
+    def past_end(doc: dict) -> None:  # type: ignore[type-arg]
+        doc["whole"]["start"][0] = 1 << 40
+
+    def wrong_sum(doc: dict) -> None:  # type: ignore[type-arg]
+        doc["whole"]["sums"][-1] = "0123456789abcdef"
+
+    def other_world(doc: dict) -> None:  # type: ignore[type-arg]
+        doc["world_size"] = 3
+
+    for damage in (past_end, wrong_sum, other_world):
+        doc = json.loads(json.dumps(intact))
+        damage(doc)
+        forge(path, rel, json.dumps(doc).encode())
+        with pytest.raises(CorruptCheckpointError):
+            Checkpointer().verify(str(path))
+        out = run_ranks(2, workers.load_wide, str(path), str(saved / "ref2.pt"), out=tmp_path / f"o-{damage.__name__}")
+        for value in _ok(out):
+            assert value["error"] == "CorruptCheckpointError" and value["unchanged"], (damage.__name__, value)
 
 
 def test_the_quick_model_state_dict_is_dcps_on_an_fsdp2_model(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ def test_each_rank_writes_its_shards_and_the_record_lists_them(two_rank_runs: Pa
     assert record.world_size == 2
     assert {"model_and_optim/__0_0.distcp", "model_and_optim/__1_0.distcp", "model_and_optim/.metadata",
             "model_and_optim/.ckptkeeper-pieces-0.json", "model_and_optim/.ckptkeeper-pieces-1.json",
+            "model_and_optim/.ckptkeeper-index.json",
             "train/rank0.json", "train/rank1.json"} == set(record.files)  # fmt: skip
     sizes = [record.files[f"model_and_optim/__{r}_0.distcp"].bytes for r in (0, 1)]
     full = record.files["model_and_optim/__0_0.distcp"].bytes + record.files["model_and_optim/__1_0.distcp"].bytes

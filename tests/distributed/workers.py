@@ -274,3 +274,22 @@ def slot_order_after_load(rank: int, folder: str) -> bool:
     finally:
         ckpt.close()
     return before[0][0] == "step" and [list(opt.state[p]) for p in model.parameters()] == before
+
+
+def load_wide_counting_tables(rank: int, path: str, reference: str) -> dict[str, Any]:
+    """:func:`load_wide`, and which data files' segment tables this rank read to plan it."""
+    from ckptkeeper.engine import discovery
+
+    read: list[str] = []
+    original = discovery.read_table_doc
+
+    def counting(path: str, record: Any, data_file: str, local: str | None = None) -> Any:
+        read.append(data_file)
+        return original(path, record, data_file, local)
+
+    discovery.read_table_doc = counting  # type: ignore[assignment]
+    try:
+        out = load_wide(rank, path, reference)
+    finally:
+        discovery.read_table_doc = original  # type: ignore[assignment]
+    return {**out, "tables": sorted(set(read))}

@@ -382,6 +382,7 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
             loads_bounded(small(rel, MAX_STATE_BYTES), f"{path}/{rel}", max_bytes=MAX_STATE_BYTES, max_depth=64,
                           allow_nonfinite=True)  # fmt: skip
     segments: dict[str, list[Any]] = {}
+    stored_by_file: dict[str, dict[str, Any]] = {}
     for data_file, table_rel in segment_tables(record).items():
         rel = f"{MODEL_DIR}/{data_file}"
         try:
@@ -393,6 +394,7 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
                 pieces = table_pieces(doc[1], data_file, record.files[rel].bytes)
                 _check_pieces_table(pieces, metadata, data_file)
                 segments[rel] = [seg for _, _, stored, _ in pieces for seg in stored.segs.values()]
+                stored_by_file[data_file] = {fqn: stored for fqn, _, stored, _ in pieces}
                 continue
             found = read_segment_table(path, record, data_file)
             assert found is not None
@@ -413,7 +415,44 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
             raise CorruptCheckpointError(
                 f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
             ) from None
+    try:
+        _check_index(path, record, metadata, stored_by_file)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is corrupt: {exc}; load an earlier checkpoint or restore this one from a copy"
+        ) from None
     return segments
+
+
+def _check_index(path: str, record: CommitRecord, metadata: Metadata, tables: Mapping[str, Mapping[str, Any]]) -> None:
+    """ValueError unless a multi-rank checkpoint's shared index says what DCP's metadata and the
+    segment tables say: the same tensors, and each whole piece where its file's table puts it
+    (loads at the saved world size plan from it in place of the other ranks' tables)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .sharded import INDEX_FILE, index_pieces
+
+    doc = read_index_doc(path, record)
+    if doc is None:
+        return
+    sizes = {rel[len(MODEL_DIR) + 1 :]: entry.bytes for rel, entry in record.files.items()
+             if rel.startswith(f"{MODEL_DIR}/__")}  # fmt: skip
+    saved, whole = index_pieces(doc, record.world_size, sizes)
+    want = {
+        fqn: (tuple(int(n) for n in md.size), md.properties.dtype)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    if {fqn: (tuple(info.shape), info.dtype) for fqn, info in saved.items() if info is not None} != want:
+        raise ValueError(f"{INDEX_FILE} and DCP's metadata list other tensors (or shapes, or dtypes)")
+    for fqn, stored in whole:
+        listed = tables.get(stored.file, {}).get(fqn)
+        if (
+            listed is None
+            or (listed.offsets, listed.sizes) != (stored.offsets, stored.sizes)
+            or any(listed.segs[k] != stored.segs[k] for k in ("head", "data", "tail"))
+        ):
+            raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} where the segment table of {stored.file} does not")
 
 
 _VERIFY_CHUNK = 8 << 20
@@ -491,6 +530,17 @@ def read_table_doc(path: str, record: CommitRecord, data_file: str, local: str |
     # max_depth=None: the table parsers accept only their fixed shape, so every deeper table is
     # refused there (json's own recursion limit stops the absurd ones).
     return rel, loads_bounded(data, f"{path}/{rel}", max_bytes=MAX_LAYOUT_BYTES, max_depth=None)
+
+
+def read_index_doc(path: str, record: CommitRecord, local: str | None = None) -> Any:
+    """A multi-rank checkpoint's shared index (``model_and_optim/.ckptkeeper-index.json``),
+    decoded, checksum-checked and bounded, not yet checked for shape; None when it has none."""
+    from .sharded import INDEX_FILE
+
+    if INDEX_FILE not in record.files:
+        return None
+    data = read_small(local or path, INDEX_FILE, MAX_LAYOUT_BYTES, record.files[INDEX_FILE])
+    return loads_bounded(data, f"{path}/{INDEX_FILE}", max_bytes=MAX_LAYOUT_BYTES, max_depth=None)
 
 
 def read_segment_table(

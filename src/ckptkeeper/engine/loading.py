@@ -39,6 +39,7 @@ from .record import CommitRecord, FileEntry, hash_file
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .saving import quiet_dcp, tensor_bytes
 from .sharded import (
+    INDEX_FILE,
     PIECES_KEY,
     LocalSource,
     PieceIndex,
@@ -46,11 +47,13 @@ from .sharded import (
     Source,
     check_stored,
     index_from_metadata,
+    index_from_own_table,
     index_from_tables,
     is_pieces_table,
     plan_reads,
     read_pieces,
     segments_read,
+    shard_name,
 )
 from .state import SavedTensor, TrainingState
 
@@ -204,6 +207,7 @@ def _load_verified(
         single = world == 1 and remote is None and record.world_size == 1 and list(tables) == [DATA_FILE]
         metadata: Any = None
         index: PieceIndex | None = None
+        partial = False  # planned from this rank's own table and the shared index only
         listed = None
         if single:
             found = discovery.read_segment_table(path, record, DATA_FILE, local)
@@ -227,7 +231,10 @@ def _load_verified(
             # Where every piece is comes from the segment tables (JSON, checked as read) when
             # they say; DCP's metadata (every piece of every rank, pickled) is decoded otherwise.
             if tables and not single:
-                index = _index_from_tables(path, record, tables, None if remote else local)
+                index = _index_from_own_table(path, record, rank, world, tables, None if remote else local)
+                partial = index is not None
+                if index is None:
+                    index = _index_from_tables(path, record, tables, None if remote else local)
             if index is not None:
                 saved = index.saved
             else:
@@ -260,7 +267,21 @@ def _load_verified(
                 index = index_from_metadata(metadata, segments)
             except ValueError as exc:
                 raise _corrupt(path, exc) from None
-        reads = plan_reads(plan.tensors, index, world, path)
+        try:
+            reads = plan_reads(plan.tensors, index, world, path)
+        except CorruptCheckpointError:
+            if not partial:
+                raise
+            # This rank's own table and the shared index do not cover its tensors (a replica of
+            # a shard another rank wrote, say): plan from every rank's table, as at another
+            # world size (which raises if the checkpoint really lacks them).
+            index = _index_from_tables(path, record, tables, None if remote else local)
+            assert index is not None
+            plan = state.plan_load(index.saved, None if olmo else doc.get("state_meta", {}), path)
+            prep.update(plan=plan)
+            if not plan.same_dtypes:
+                return "download" if remote is not None else "dcp"
+            reads = plan_reads(plan.tensors, index, world, path)
         if reads is None:
             return "download" if remote is not None else "dcp"
         prep["reads"] = reads
@@ -406,6 +427,30 @@ def _read_ahead(data_path: str, entry: FileEntry | None) -> None:
 
     # A thread, not the caller: queuing the reads can block for as long as the disk is busy.
     threading.Thread(target=advise, name="ckptkeeper-read-ahead", daemon=True).start()
+
+
+def _index_from_own_table(
+    path: str, record: CommitRecord, rank: int, world: int, tables: Any, local: str | None
+) -> PieceIndex | None:
+    """This rank's pieces and the shared index's whole pieces (see :data:`INDEX_FILE`), for a load
+    at the world size the checkpoint was saved at; None where that does not apply (another world
+    size, no shared index, a format-1 table), and the caller reads every rank's table."""
+    own = shard_name(rank)
+    rel = tables.get(own)
+    if record.world_size != world or INDEX_FILE not in record.files or rel is None or not is_pieces_table(rel):
+        return None
+    try:
+        sizes = {}
+        for data_file in tables:
+            listed = f"{MODEL_DIR}/{data_file}"
+            if listed not in record.files:
+                raise ValueError(f"a segment table describes {listed}, which the checkpoint does not list")
+            sizes[data_file] = record.files[listed].bytes
+        doc = discovery.read_table_doc(path, record, own, local)
+        assert doc is not None  # listed by segment_tables
+        return index_from_own_table(doc[1], own, discovery.read_index_doc(path, record, local), world, sizes)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _corrupt(path, exc) from None
 
 
 def _index_from_tables(path: str, record: CommitRecord, tables: Any, local: str | None) -> PieceIndex | None:

@@ -49,7 +49,16 @@ from .fastio import (
 from .gcpause import paused_gc
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
-from .sharded import Piece, ShardLayout, local_pieces, metadata_bytes, shard_name, write_shard
+from .sharded import (
+    INDEX_FILE,
+    Piece,
+    ShardLayout,
+    index_bytes,
+    local_pieces,
+    metadata_bytes,
+    shard_name,
+    write_shard,
+)
 from .state import flatten_tensors
 
 __all__ = ["SaveResult", "SaveSettings", "SaveStage", "final_path", "quiet_dcp", "tensor_bytes", "write_checkpoint"]
@@ -212,11 +221,11 @@ def write_checkpoint(
         if sharded:
             data_rel = f"{MODEL_DIR}/{shard_name(rank)}"
             with translate_os_error(work):
-                shard_files, layout = write_shard(
+                shard_files, layout, whole_sums = write_shard(
                     os.path.join(work, MODEL_DIR), pieces, rank, settings.io_threads, sink(data_rel)
                 )
             written.update(shard_files)
-            my_layout.append(layout)
+            my_layout.append((layout, whole_sums))
             return
         with translate_os_error(work):
             leaves = walk(tensors) if world == 1 and settings.writer == "auto" else None
@@ -246,9 +255,12 @@ def write_checkpoint(
         enter("writing trainer state")
         if sharded and rank == 0:
             # DCP's .metadata, from every rank's pieces: stock DCP reads the checkpoint with it.
-            encoded = metadata_bytes(all_layouts)
+            encoded = metadata_bytes([layout for layout, _ in all_layouts])
             with translate_os_error(work):
                 written[f"{MODEL_DIR}/.metadata"] = write_synced(os.path.join(work, MODEL_DIR, ".metadata"), encoded)
+                # The shared index: a rank loading at this world size reads it and its own table
+                # instead of every rank's table.
+                written[INDEX_FILE] = write_synced(os.path.join(work, INDEX_FILE), index_bytes(all_layouts))
         with translate_os_error(work):
             storage_for(work).write_bytes(os.path.join(work, train_state_name(rank)), payload)
         mine = _hash_own_files(work, rank, world, skip=set(written))
@@ -265,9 +277,9 @@ def write_checkpoint(
 
     pieces: list[Piece] = []
     sharded = False
-    my_layout: list[ShardLayout] = []
+    my_layout: list[tuple[ShardLayout, tuple[str, ...]]] = []
     streamed: list[str] = []
-    all_layouts: list[ShardLayout] = []
+    all_layouts: list[tuple[ShardLayout, tuple[str, ...]]] = []
     try:
         signatures = agree(prepare, step, pg)
         # Every rank takes the same path: the per-rank fast writer only where all ranks can, and
@@ -276,7 +288,8 @@ def write_checkpoint(
         stage = "writing tensors"
         agree(write_tensors, step, pg)
         if sharded:
-            # Only rank 0 writes DCP's metadata, so only rank 0 receives every rank's pieces.
+            # Only rank 0 writes DCP's metadata and the shared index, so only rank 0 receives
+            # every rank's pieces (and the checksums of its whole ones).
             # With the collector paused (a background save too): unpickling every rank's layout
             # is thousands of objects, and a full collection set off there took rank 0 0.3 s at
             # 10,000 tensors. The ranks have just agreed, so the pause does not wait on a slow one.

@@ -33,7 +33,7 @@ import operator
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, cast
@@ -82,6 +82,7 @@ from .record import FileEntry
 from .state import SavedTensor
 
 __all__ = [
+    "INDEX_FILE",
     "LocalSource",
     "Piece",
     "PieceEntry",
@@ -92,8 +93,11 @@ __all__ = [
     "Stored",
     "build_metadata",
     "check_stored",
+    "index_bytes",
     "index_from_metadata",
+    "index_from_own_table",
     "index_from_tables",
+    "index_pieces",
     "is_pieces_table",
     "layout_name",
     "local_pieces",
@@ -312,11 +316,13 @@ class ShardLayout(NamedTuple):
 
 def write_shard(
     model_dir: str, pieces: list[Piece], rank: int, threads: int, sink: Upload | None = None
-) -> tuple[dict[str, FileEntry], ShardLayout]:
+) -> tuple[dict[str, FileEntry], ShardLayout, tuple[str, ...]]:
     """Write the pieces this rank writes into its data file and its segment table.
 
-    Returns the files written (relative to the checkpoint) and what rank 0 needs of them to
-    write DCP's metadata. With ``sink`` the data file is streamed there (object stores).
+    Returns the files written (relative to the checkpoint), what rank 0 needs of them to write
+    DCP's metadata, and the data checksums of this rank's whole pieces (in file order: the pieces
+    :func:`index_bytes` lists for every rank). With ``sink`` the data file is streamed there
+    (object stores).
     """
     # The collector is paused while the per-piece tables are built (a background save runs here
     # too: its pauses are kept to the table building, never around the writes).
@@ -325,7 +331,7 @@ def write_shard(
         tensors = [(p.fqn, exact(p.tensor)) for p in mine]
     name = shard_name(rank)
     table = os.path.join(os.path.dirname(model_dir), table_name(rank))
-    made: list[tuple[ShardLayout, FileEntry]] = []
+    made: list[tuple[ShardLayout, FileEntry, tuple[str, ...]]] = []
 
     def write_table(segments: list[Segment]) -> None:
         # Run while the data file is flushed: the table's per-piece columns and its own write.
@@ -344,11 +350,208 @@ def write_shard(
             layout = ShardLayout(tuple(p.fqn for p in mine), tuple(kinds), tuple(column), tuple(odd))
             data_sums = [segments[3 * i + 1].xxh3_64 for i in range(len(mine))]
             encoded = _encode_table(f"{MODEL_DIR}/{name}", layout, data_sums)
-        made.append((layout, write_synced(table, encoded)))
+            whole = _whole_kinds(layout.kinds)
+            whole_sums = tuple(data_sums[i] for i, k in enumerate(column) if whole[k])
+        made.append((layout, write_synced(table, encoded), whole_sums))
 
     entry, _, _ = write_items(os.path.join(model_dir, name), tensors, threads, sink, then=write_table)
-    layout, table_entry = made[0]
-    return {f"{MODEL_DIR}/{name}": entry, table_name(rank): table_entry}, layout
+    layout, table_entry, whole_sums = made[0]
+    return {f"{MODEL_DIR}/{name}": entry, table_name(rank): table_entry}, layout, whole_sums
+
+
+def _whole_kinds(kinds: Sequence[Sequence[Any]]) -> list[bool]:
+    """For each kind (dtype, tensor shape, offsets, sizes): whether its piece is the whole tensor."""
+    return [not any(offsets) and tuple(sizes) == tuple(shape) for _, shape, offsets, sizes in kinds]
+
+
+INDEX_FILE = f"{MODEL_DIR}/.ckptkeeper-index.json"
+"""A multi-rank checkpoint's shared index (written by rank 0, listed in the record): every tensor's
+dtype and shape, and where each whole piece lies (the only copy of a replicated tensor, say).
+
+A rank loading at the world size the checkpoint was saved at reads its own segment table and this
+file, not every rank's table: at 1,024 ranks of 1,000 tensors each, every rank had read 50 MB of
+tables (51 GB across the ranks, and 1,024 GETs each from an object store). Format 1: ``{"format":
+1, "world_size": W, "tensors": {"kinds": [[dtype, shape]], "names": [...], "kind": [...]},
+"whole": {"kinds": [[dtype, shape]], "names": [...], "kind": [...], "rank": [...], "start":
+[...], "sums": [...]}}``; a whole piece's header and trailer follow from its kind, as in the tables.
+"""
+INDEX_FORMAT = 1
+_INDEX_KEYS = frozenset({"format", "world_size", "tensors", "whole"})
+_INDEX_PARTS: dict[Any, tuple[bytes, list[tuple[int, int]]]] = {}
+
+
+def index_bytes(per_rank: list[tuple[ShardLayout, tuple[str, ...]]]) -> bytes:
+    """The shared index (:data:`INDEX_FILE`) of a checkpoint whose ranks wrote ``per_rank``
+    (each rank's layout and its whole pieces' data checksums, from :func:`write_shard`).
+
+    All but the checksums depend on the layouts only, and are made once per layout, as the
+    ``.metadata`` is.
+    """
+    layouts = tuple(layout for layout, _ in per_rank)
+    found = _INDEX_PARTS.get(layouts)
+    if found is None:
+        with paused_gc():
+            found = _index_prefix(layouts)
+        if len(_INDEX_PARTS) >= 2:
+            _INDEX_PARTS.clear()
+        _INDEX_PARTS[layouts] = found
+    prefix, order = found
+    sums = [per_rank[r][1][j] for r, j in order]
+    return prefix + json.dumps(sums, separators=(",", ":")).encode() + b"}}"
+
+
+def _index_prefix(layouts: tuple[ShardLayout, ...]) -> tuple[bytes, list[tuple[int, int]]]:
+    tensor_kinds: dict[tuple[str, tuple[int, ...]], int] = {}
+    tensors: dict[str, int] = {}
+    whole_kinds: dict[tuple[str, tuple[int, ...]], int] = {}
+    names: list[str] = []
+    kind: list[int] = []
+    ranks: list[int] = []
+    starts: list[int] = []
+    order: list[tuple[int, int]] = []  # (rank, its j-th whole piece): where each checksum comes from
+    for rank, layout in enumerate(layouts):
+        whole = _whole_kinds(layout.kinds)
+        keys = [(str(dtype), tuple(shape)) for dtype, shape, _, _ in layout.kinds]
+        j = 0
+        for fqn, k in zip(layout.names, layout.kind, strict=True):
+            if fqn not in tensors:
+                tensors[fqn] = tensor_kinds.setdefault(keys[k], len(tensor_kinds))
+            if whole[k]:
+                names.append(fqn)
+                kind.append(whole_kinds.setdefault(keys[k], len(whole_kinds)))
+                ranks.append(rank)
+                order.append((rank, j))
+                j += 1
+        starts.extend(_starts(layout, whole))
+    doc = {
+        "format": INDEX_FORMAT,
+        "world_size": len(layouts),
+        "tensors": {
+            "kinds": [[d, list(sh)] for d, sh in tensor_kinds],
+            "names": list(tensors),
+            "kind": list(tensors.values()),
+        },
+        "whole": {
+            "kinds": [[d, list(sh)] for d, sh in whole_kinds],
+            "names": names,
+            "kind": kind,
+            "rank": ranks,
+            "start": starts,
+            "sums": None,
+        },
+    }
+    text = json.dumps(doc, separators=(",", ":"))
+    cut = text.rindex("null}}")
+    return text[:cut].encode(), order
+
+
+def _starts(layout: ShardLayout, whole: list[bool]) -> list[int]:
+    """Where each whole piece of ``layout`` starts in its file (pieces lie one after another)."""
+    lengths = []
+    for dtype, _, _, sizes in layout.kinds:
+        head, tail, _, _ = skeleton_layout(tuple(sizes), dtype)
+        lengths.append(head + math.prod(sizes) * dtype.itemsize + tail)
+    out = []
+    pos = 0
+    for k in layout.kind:
+        if whole[k]:
+            out.append(pos)
+        pos += lengths[k]
+    return out
+
+
+def index_pieces(
+    doc: Any, world: int, sizes: Mapping[str, int]
+) -> tuple[dict[str, SavedTensor | None], list[tuple[str, Stored]]]:
+    """Every tensor's dtype and shape, and the whole pieces (fqn, piece), of a shared index
+    (decoded JSON; ``sizes``: each data file's size), checked as read. ValueError says what does
+    not fit."""
+    if not isinstance(doc, dict) or type(doc.get("format")) is not int or doc["format"] != INDEX_FORMAT:
+        raise ValueError(f"{INDEX_FILE} is not a format-{INDEX_FORMAT} index")
+    if set(doc) != _INDEX_KEYS or doc["world_size"] != world or type(doc["world_size"]) is not int:
+        raise ValueError(f"{INDEX_FILE} has other entries or describes another world size")
+    saved: dict[str, SavedTensor | None] = {}
+    tensors, whole = doc["tensors"], doc["whole"]
+    for part, cols in (
+        (tensors, ("kinds", "names", "kind")),
+        (whole, ("kinds", "names", "kind", "rank", "start", "sums")),
+    ):
+        if not isinstance(part, dict) or set(part) != set(cols) or not all(type(part[c]) is list for c in cols):
+            raise ValueError(f"{INDEX_FILE} is malformed (its columns are not lists)")
+        if len({len(part[c]) for c in cols[1:]}) != 1 or len(part["kinds"]) > len(part["names"]):
+            raise ValueError(f"{INDEX_FILE} has columns of different lengths")
+
+    def kinds_of(entries: list[Any]) -> list[SavedTensor]:
+        out = []
+        for i, entry in enumerate(entries):
+            if not (type(entry) is list and len(entry) == 2 and type(entry[1]) is list):
+                raise ValueError(f"{INDEX_FILE} has a malformed kind (#{i})")
+            out.append(cast(SavedTensor, saved_from_table({"k": entry})["k"]))
+        return out
+
+    facts = kinds_of(tensors["kinds"])
+    if len(set(tensors["names"])) != len(tensors["names"]):
+        raise ValueError(f"{INDEX_FILE} lists a tensor twice")
+    for fqn, k in zip(tensors["names"], tensors["kind"], strict=True):
+        if type(fqn) is not str or type(k) is not int or not 0 <= k < len(facts):
+            raise ValueError(f"{INDEX_FILE} has a malformed tensor entry {str(fqn)[:80]!r}")
+        saved[fqn] = facts[k]
+    shapes = []
+    for info in kinds_of(whole["kinds"]):
+        shape = tuple(info.shape)
+        nbytes = math.prod(shape) * cast(torch.dtype, info.dtype).itemsize
+        if nbytes > max(sizes.values(), default=0):
+            raise ValueError(f"{INDEX_FILE} lists a piece larger than any data file")
+        head, tail, head_sum, tail_sum = skeleton_layout(shape, cast(torch.dtype, info.dtype))
+        shapes.append((info, shape, head, nbytes, tail, head_sum, tail_sum))
+    out: list[tuple[str, Stored]] = []
+    new = _new_segment
+    for fqn, k, rank, start, data_sum in zip(
+        whole["names"], whole["kind"], whole["rank"], whole["start"], whole["sums"], strict=True
+    ):
+        if not (type(fqn) is str and type(k) is int and 0 <= k < len(shapes) and type(rank) is int
+                and 0 <= rank < world and type(start) is int and start >= 0 and type(data_sum) is str):  # fmt: skip
+            raise ValueError(f"{INDEX_FILE} has a malformed piece of {str(fqn)[:80]!r}")
+        info, shape, head, nbytes, tail, head_sum, tail_sum = shapes[k]
+        file = shard_name(rank)
+        if file not in sizes or start + head + nbytes + tail > sizes[file]:
+            raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} outside {MODEL_DIR}/{file}")
+        if saved.get(fqn) != info:
+            raise ValueError(f"{INDEX_FILE} gives {fqn[:80]!r} two shapes or dtypes")
+        at = start + head
+        trio = {
+            "head": new(Segment, ("head", fqn, start, head, head_sum)),
+            "data": new(Segment, ("data", fqn, at, nbytes, data_sum)),
+            "tail": new(Segment, ("tail", fqn, at + nbytes, tail, tail_sum)),
+        }
+        out.append((fqn, Stored((0,) * len(shape), shape, file, trio)))
+    return saved, out
+
+
+def index_from_own_table(
+    own_doc: Any, own_file: str, index_doc: Any, world: int, sizes: Mapping[str, int]
+) -> PieceIndex:
+    """The pieces a rank loading at the saved world size needs to plan: those of its own data file
+    (its format-2 table, ``own_doc``) and every whole piece the shared index lists; the tensors'
+    dtypes and shapes from the index. ValueError when the two disagree.
+
+    Only this rank's destinations can be checked for coverage here (in :func:`plan_reads`); a
+    destination they do not cover (a replica of a shard another rank wrote) is planned from
+    every table instead, by the caller.
+    """
+    saved, whole = index_pieces(index_doc, world, sizes)
+    pieces: dict[str, list[Stored]] = {}
+    for fqn, info, stored, _ in table_pieces(own_doc, own_file, sizes[own_file]):
+        if saved.get(fqn) != info:
+            raise ValueError(f"the segment table of {own_file} and {INDEX_FILE} disagree about {fqn[:80]!r}")
+        held = pieces.setdefault(fqn, [])
+        if any(p.offsets == stored.offsets for p in held):
+            raise ValueError(f"two pieces of {fqn} start at {list(stored.offsets)}")
+        held.append(stored)
+    for fqn, stored in whole:
+        if fqn not in pieces:  # this rank's own file holds it already otherwise
+            pieces[fqn] = [stored]
+    return PieceIndex(saved, pieces)
 
 
 def _encode_table(data_rel: str, layout: ShardLayout, data_sums: list[str]) -> bytes:
