@@ -41,7 +41,6 @@ from .record import (
     check_digest,
     hash_file,
     loads_bounded,
-    new_hasher,
     record_is_ours,
 )
 
@@ -455,8 +454,6 @@ def _check_index(path: str, record: CommitRecord, metadata: Metadata, tables: Ma
             raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} where the segment table of {stored.file} does not")
 
 
-_VERIFY_CHUNK = 8 << 20
-
 LAYOUT_FILE = f"{MODEL_DIR}/.ckptkeeper-layout.json"
 """The fast writer's segment table (one row per tensor), a file of the checkpoint listed in its
 record, so the record stays small whatever the number of tensors (``ls`` reads only records)."""
@@ -650,43 +647,35 @@ def hash_file_and_segments(
     ordered = sorted(
         {(s.offset, s.length, s.xxh3_64): s for s in segments}.values(), key=lambda s: (s.offset, s.length)
     )
-    whole = new_hasher()
     part: Any = None  # the hasher of a segment that runs on into the next chunk
     i = 0
-    n = 0
 
     def compare(seg: Any, got: str) -> None:
         if got != seg.xxh3_64 and not wrong:
             wrong.append(segment_mismatch(where, seg.fqn, seg.kind, got, seg.xxh3_64))
 
-    with os.fdopen(open_regular(path, follow_links=False), "rb", buffering=0) as f:
-        buf = bytearray(_VERIFY_CHUNK)
-        view = memoryview(buf)
-        while True:
-            got = f.readinto(buf)
-            if not got:
-                break
-            chunk = view[:got]
-            whole.update(chunk)
-            lo, hi = n, n + got
-            while i < len(ordered):
-                seg = ordered[i]
-                end = seg.offset + seg.length
-                if seg.offset > hi or (seg.offset == hi and seg.length):
-                    break  # starts in a later chunk
-                if part is None and seg.offset >= lo and end <= hi:
-                    compare(seg, xxhash.xxh3_64_hexdigest(chunk[seg.offset - lo : end - lo]))
-                    i += 1
-                    continue
-                if part is None:
-                    part = xxhash.xxh3_64()
-                part.update(chunk[max(seg.offset, lo) - lo : min(end, hi) - lo])
-                if end > hi:
-                    break  # runs on into the next chunk
-                compare(seg, part.hexdigest())
-                part = None
+    def each(lo: int, chunk: memoryview) -> None:
+        nonlocal part, i
+        hi = lo + len(chunk)
+        while i < len(ordered):
+            seg = ordered[i]
+            end = seg.offset + seg.length
+            if seg.offset > hi or (seg.offset == hi and seg.length):
+                break  # starts in a later chunk
+            if part is None and seg.offset >= lo and end <= hi:
+                compare(seg, xxhash.xxh3_64_hexdigest(chunk[seg.offset - lo : end - lo]))
                 i += 1
-            n = hi
+                continue
+            if part is None:
+                part = xxhash.xxh3_64()
+            part.update(chunk[max(seg.offset, lo) - lo : min(end, hi) - lo])
+            if end > hi:
+                break  # runs on into the next chunk
+            compare(seg, part.hexdigest())
+            part = None
+            i += 1
+
+    n, digest = hash_file(path, follow_links=False, each=each)
     if i < len(ordered) and not wrong:
         seg = ordered[i]
         wrong.append(
@@ -695,7 +684,7 @@ def hash_file_and_segments(
                 f"({n} bytes); load an earlier checkpoint or restore this one from a copy"
             )
         )
-    return n, whole.hexdigest()
+    return n, digest
 
 
 def check_file(path: str, rel: str, entry: FileEntry, size: int, digest: str | None) -> None:

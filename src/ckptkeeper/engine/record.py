@@ -16,7 +16,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +67,14 @@ def digest_bytes(data: bytes | memoryview) -> str:
     return str(xxhash.xxh3_64_hexdigest(data))
 
 
-def hash_file(path: str, follow_links: bool = True) -> tuple[int, str]:
+def hash_file(
+    path: str, follow_links: bool = True, each: Callable[[int, memoryview], None] | None = None
+) -> tuple[int, str]:
     """Size and xxh3-64 hex digest of a local file, read in large chunks.
 
     ``follow_links=False`` refuses a file that is a symlink (OSError), as checkpoint reads do.
+    ``each(offset, chunk)`` is called with every chunk read, in file order (verify checks each
+    segment's checksum in the same read).
     """
     h = new_hasher()
     n = 0
@@ -82,6 +86,8 @@ def hash_file(path: str, follow_links: bool = True) -> tuple[int, str]:
             if not got:
                 break
             h.update(view[:got])
+            if each is not None:
+                each(n, view[:got])
             n += got
     return n, h.hexdigest()
 
