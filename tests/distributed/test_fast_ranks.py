@@ -216,8 +216,11 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
     assert all(v["equal"] for v in out), out
     assert out[0]["tables"] == ["__0_0.distcp", "__1_0.distcp"] and out[1]["tables"] == ["__1_0.distcp"], out
 
-    # A damaged index (a whole piece placed past its file's end, a checksum that is not the
-    # data's, another world size) fails every rank with nothing changed; verify refuses each.
+    # A damaged index is refused by verify; loads check it against each rank's own table (every
+    # rank the whole pieces in its own file), agree, and plan from the tables instead: exact on
+    # every rank. Outside attacks had a redirected whole piece (another tensor's bytes and
+    # checksum) load wrong values on one rank, and a forged shape or an extra tensor give some
+    # ranks a mismatch error while others reported corruption (and restore() then hung).
     def past_end(doc: dict) -> None:  # type: ignore[type-arg]
         doc["whole"]["start"][0] = 1 << 40
 
@@ -227,15 +230,42 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
     def other_world(doc: dict) -> None:  # type: ignore[type-arg]
         doc["world_size"] = 3
 
-    for damage in (past_end, wrong_sum, other_world):
+    def redirected(doc: dict) -> None:  # type: ignore[type-arg]
+        w = doc["whole"]
+        a, b = 0, next(i for i in range(1, len(w["names"])) if w["kind"][i] == w["kind"][0])
+        for col in ("rank", "start", "sums"):
+            w[col][a] = w[col][b]
+
+    def extra_tensor(doc: dict) -> None:  # type: ignore[type-arg]
+        doc["tensors"]["names"].append("model.9.weight")
+        doc["tensors"]["kind"].append(0)
+
+    def other_shape(doc: dict) -> None:  # type: ignore[type-arg]
+        t = doc["tensors"]
+        i = t["names"].index("model.0.weight")
+        dtype, shape = t["kinds"][t["kind"][i]]
+        t["kinds"].append([dtype, [shape[0] + 1, *shape[1:]]])
+        t["kind"][i] = len(t["kinds"]) - 1
+
+    for damage in (past_end, wrong_sum, other_world, redirected, extra_tensor, other_shape):
         doc = json.loads(json.dumps(intact))
         damage(doc)
         forge(path, rel, json.dumps(doc).encode())
         with pytest.raises(CorruptCheckpointError):
             Checkpointer().verify(str(path))
-        out = run_ranks(2, workers.load_wide, str(path), str(saved / "ref2.pt"), out=tmp_path / f"o-{damage.__name__}")
-        for value in _ok(out):
-            assert value["error"] == "CorruptCheckpointError" and value["unchanged"], (damage.__name__, value)
+        out = _ok(run_ranks(2, workers.load_wide_counting_tables, str(path), str(saved / "ref2.pt"),
+                            out=tmp_path / f"o-{damage.__name__}"))  # fmt: skip
+        for value in out:
+            assert value.get("equal") and value["tables"] == ["__0_0.distcp", "__1_0.distcp"], (damage.__name__, value)
+
+
+def test_when_one_rank_finds_corruption_every_rank_raises_it(tmp_path: Path) -> None:
+    # Ranks that failed a load round for different reasons raised different classes, so a caller
+    # that falls back to an earlier checkpoint on corruption (restore) sent them different ways.
+    assert _ok(run_ranks(2, workers.load_round_with_different_failures, out=tmp_path / "o")) == [
+        "CorruptCheckpointError",
+        "CorruptCheckpointError",
+    ]
 
 
 def test_the_quick_model_state_dict_is_dcps_on_an_fsdp2_model(tmp_path: Path) -> None:

@@ -293,3 +293,21 @@ def load_wide_counting_tables(rank: int, path: str, reference: str) -> dict[str,
     finally:
         discovery.read_table_doc = original  # type: ignore[assignment]
     return {**out, "tables": sorted(set(read))}
+
+
+def load_round_with_different_failures(rank: int) -> str:
+    """One load agreement round in which rank 0 finds a mismatch and rank 1 corruption: the class each raises."""
+    from ckptkeeper.engine.agreement import agree, load_error
+    from ckptkeeper.engine.loader import CheckpointMismatchError
+    from ckptkeeper.errors import CorruptCheckpointError
+
+    def fail() -> None:
+        if rank == 0:
+            raise CheckpointMismatchError("does not fit this model")
+        raise CorruptCheckpointError("its index is damaged")
+
+    try:
+        agree(fail, None, None, load_error)
+    except Exception as exc:
+        return type(exc).__name__
+    return "no error"

@@ -414,6 +414,9 @@ def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
     nbytes = t.numel() * t.element_size()
     head, tail = buf.span(0, offset), buf.span(offset + nbytes, buf.size)
     entry = (head, tail, xxhash.xxh3_64_hexdigest(head), xxhash.xxh3_64_hexdigest(tail))
+    if len(_SKELETONS) >= 1 << 16:
+        # Bounded (~1.5 KB each): a forged table can list many kinds, a real state a few.
+        _SKELETONS.clear()
     _SKELETONS[key] = entry
     return entry
 

@@ -231,7 +231,7 @@ def _load_verified(
             # Where every piece is comes from the segment tables (JSON, checked as read) when
             # they say; DCP's metadata (every piece of every rank, pickled) is decoded otherwise.
             if tables and not single:
-                index = _index_from_own_table(path, record, rank, world, tables, None if remote else local)
+                index = from_index
                 partial = index is not None
                 if index is None:
                     index = _index_from_tables(path, record, tables, None if remote else local)
@@ -241,7 +241,16 @@ def _load_verified(
                 metadata = read_metadata(local, record, path)
                 saved = saved_tensors(metadata)
         # Where each tensor goes, checked against the checkpoint (and state.strict) before anything is read.
-        plan = state.plan_load(saved, None if olmo else doc.get("state_meta", {}), path)
+        try:
+            plan = state.plan_load(saved, None if olmo else doc.get("state_meta", {}), path)
+        except CheckpointMismatchError:
+            if not partial:
+                raise
+            # The index lists tensors the tables do not (a damaged index): the tables decide.
+            index = _index_from_tables(path, record, tables, None if remote else local)
+            assert index is not None
+            saved, partial = index.saved, False
+            plan = state.plan_load(saved, None if olmo else doc.get("state_meta", {}), path)
         prep.update(doc=doc, plan=plan)
         if not tables or not plan.same_dtypes:
             return "download" if remote is not None else "dcp"
@@ -289,6 +298,19 @@ def _load_verified(
 
     if remote is None and not olmo and world == 1 and record.world_size == 1:
         _read_ahead(os.path.join(local, MODEL_DIR, DATA_FILE), record.files.get(f"{MODEL_DIR}/{DATA_FILE}"))
+    from_index: PieceIndex | None = None
+    if not olmo and world > 1 and record.world_size == world and INDEX_FILE in record.files:
+        # Whether every rank plans from its own table and the shared index, decided together:
+        # each rank checks the index against its own table (the whole pieces in its own file
+        # included), and one that finds it wrong sends every rank to the tables, which decide
+        # alone then (a damaged index fails no load its tables can serve).
+        try:
+            from_index = _index_from_own_table(path, record, rank, world, None if remote else local)
+        except (CkptkeeperError, OSError) as exc:
+            log.warning("not planning from the shared index of %s: %s", path, exc)
+            from_index = None
+        if not D.all_agree(from_index is not None, group=pg):
+            from_index = None
     modes = agree(prepare, None, pg, load_error)
     if remote is not None and set(modes) != {"pieces"}:
         raise _NeedsDownload()
@@ -430,12 +452,14 @@ def _read_ahead(data_path: str, entry: FileEntry | None) -> None:
 
 
 def _index_from_own_table(
-    path: str, record: CommitRecord, rank: int, world: int, tables: Any, local: str | None
+    path: str, record: CommitRecord, rank: int, world: int, local: str | None
 ) -> PieceIndex | None:
     """This rank's pieces and the shared index's whole pieces (see :data:`INDEX_FILE`), for a load
     at the world size the checkpoint was saved at; None where that does not apply (another world
-    size, no shared index, a format-1 table), and the caller reads every rank's table."""
+    size, no shared index, a format-1 table), and the caller reads every rank's table.
+    CorruptCheckpointError when the index and this rank's own table disagree."""
     own = shard_name(rank)
+    tables = discovery.segment_tables(record)
     rel = tables.get(own)
     if record.world_size != world or INDEX_FILE not in record.files or rel is None or not is_pieces_table(rel):
         return None

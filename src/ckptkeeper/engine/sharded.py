@@ -549,7 +549,16 @@ def index_from_own_table(
             raise ValueError(f"two pieces of {fqn} start at {list(stored.offsets)}")
         held.append(stored)
     for fqn, stored in whole:
-        if fqn not in pieces:  # this rank's own file holds it already otherwise
+        if stored.file == own_file:
+            # The whole pieces in this rank's own file are checked against its own table: each
+            # file's are checked by the rank that owns it, and the caller has every rank agree
+            # before any plans from the index (an index naming another tensor's bytes, with
+            # their checksum, loaded wrong values on the ranks that trusted it; found by an
+            # outside attack).
+            listed = [p for p in pieces.get(fqn, ()) if p.offsets == stored.offsets]
+            if not listed or listed[0].sizes != stored.sizes or listed[0].segs != stored.segs:
+                raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} where the segment table of {own_file} does not")
+        elif fqn not in pieces:  # this rank's own file holds it already otherwise
             pieces[fqn] = [stored]
     return PieceIndex(saved, pieces)
 
