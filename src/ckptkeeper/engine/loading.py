@@ -306,7 +306,7 @@ def _load_verified(
         # alone then (a damaged index fails no load its tables can serve).
         try:
             from_index = _index_from_own_table(path, record, rank, world, None if remote else local)
-        except (CkptkeeperError, OSError) as exc:
+        except Exception as exc:  # any: every rank must reach the vote below, or the others wait in it
             log.warning("not planning from the shared index of %s: %s", path, exc)
             from_index = None
         if not D.all_agree(from_index is not None, group=pg):
