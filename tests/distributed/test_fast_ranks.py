@@ -259,13 +259,24 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
             assert value.get("equal") and value["tables"] == ["__0_0.distcp", "__1_0.distcp"], (damage.__name__, value)
 
 
-def test_when_one_rank_finds_corruption_every_rank_raises_it(tmp_path: Path) -> None:
-    # Ranks that failed a load round for different reasons raised different classes, so a caller
-    # that falls back to an earlier checkpoint on corruption (restore) sent them different ways.
-    assert _ok(run_ranks(2, workers.load_round_with_different_failures, out=tmp_path / "o")) == [
-        "CorruptCheckpointError",
-        "CorruptCheckpointError",
-    ]
+@pytest.mark.parametrize("world", [2, 3])
+def test_when_one_rank_finds_corruption_every_rank_raises_it(tmp_path: Path, world: int) -> None:
+    # Ranks that failed a load round for different reasons (or, at 3 ranks, one that succeeded)
+    # raised different classes, so a caller that falls back to an earlier checkpoint on
+    # corruption (restore) sent them different ways (found by outside attacks).
+    out = _ok(run_ranks(world, workers.load_round_with_different_failures, out=tmp_path / "o"))
+    assert out == ["CorruptCheckpointError"] * world
+
+
+def test_a_rank_that_dies_while_the_ranks_vote_on_the_index_is_named(saved: Path, tmp_path: Path) -> None:
+    # The vote on planning from the shared index was a bare collective: the survivor got gloo's
+    # "Connection reset by peer" instead of the rank that stopped (found by an outside attack).
+    out = run_ranks(2, workers.load_wide_while_rank_one_dies_planning, str(saved / "w2" / "step5"),
+                    out=tmp_path / "o", expect_dead=frozenset({1}), timeout=120)  # fmt: skip
+    assert out[1]["type"] == "dead", out[1]
+    survivor = _ok([out[0]])[0]
+    assert survivor["error"] == "CheckpointError" and survivor["unchanged"], survivor
+    assert "rank 1 stopped answering during the load" in survivor["message"], survivor
 
 
 def test_the_quick_model_state_dict_is_dcps_on_an_fsdp2_model(tmp_path: Path) -> None:

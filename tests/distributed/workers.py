@@ -296,18 +296,55 @@ def load_wide_counting_tables(rank: int, path: str, reference: str) -> dict[str,
 
 
 def load_round_with_different_failures(rank: int) -> str:
-    """One load agreement round in which rank 0 finds a mismatch and rank 1 corruption: the class each raises."""
+    """One load agreement round in which rank 0 finds a mismatch, the last rank corruption and any
+    other rank nothing wrong: the class each raises."""
+    import torch.distributed as dist
+
     from ckptkeeper.engine.agreement import agree, load_error
     from ckptkeeper.engine.loader import CheckpointMismatchError
     from ckptkeeper.errors import CorruptCheckpointError
 
+    last = dist.get_world_size() - 1
+
     def fail() -> None:
         if rank == 0:
             raise CheckpointMismatchError("does not fit this model")
-        raise CorruptCheckpointError("its index is damaged")
+        if rank == last:
+            raise CorruptCheckpointError("its index is damaged")
 
     try:
         agree(fail, None, None, load_error)
     except Exception as exc:
         return type(exc).__name__
     return "no error"
+
+
+def load_wide_while_rank_one_dies_planning(rank: int, path: str) -> dict[str, Any]:
+    """Load ``path`` while rank 1 vanishes (exit code 9) checking the shared index: the survivors'
+    error, and whether their local shards are unchanged (no collective after the failure)."""
+    import os
+
+    from torch.distributed.tensor import DTensor
+
+    from ckptkeeper.engine import loading
+    from ckptkeeper.engine.state import flatten_tensors
+
+    model, opt = _wide(seed=1)
+    state = TrainingState(model, opt)
+
+    def local() -> dict[str, torch.Tensor]:
+        tensors, _ = state.capture()
+        return {
+            k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in flatten_tensors(tensors)
+        }
+
+    before = local()
+    if rank == 1:
+        loading._index_from_own_table = lambda *a, **k: os._exit(9)  # type: ignore[assignment]
+    try:
+        Checkpointer().load(path, state)
+    except Exception as exc:
+        after = local()
+        return {"error": type(exc).__name__, "message": str(exc),
+                "unchanged": all(torch.equal(after[k], before[k]) for k in before)}  # fmt: skip
+    return {"error": None}

@@ -104,20 +104,22 @@ def agree(
         if error is None or D.peer_lost(unwrap(error)):
             raise lost_rank_error(exc, step, group, loading=make_error is load_error) from exc
         # Otherwise this rank's own failure is the news, whatever became of the others: raised below.
+    failed = [(r, fail) for r, (fail, _) in enumerate(outcomes) if fail is not None]
+    if make_error is load_error and failed:
+        # Every rank raises the same class when any rank found the checkpoint corrupt or unsafe
+        # (the gravest failure, the first rank's among equals): callers that fall back to an
+        # earlier checkpoint on those (restore) must all fall back, or the ranks part ways and
+        # wait on each other forever (outside attacks: a rank that reported a mismatch, or that
+        # had succeeded, raised another class than the ranks that found corruption).
+        r, fail = max(failed, key=lambda f: (_GRAVITY.get(f[1][0], 0), -f[0]))
+        own = -1 if error is None else _GRAVITY.get(type(unwrap(error)).__name__, 0)
+        if _GRAVITY.get(fail[0], 0) > own:
+            raise make_error(r, fail[0], fail[1], step) from error
     if error is not None:
-        if make_error is load_error:
-            # Every rank raises the same class when any rank found the checkpoint corrupt or
-            # unsafe: callers that fall back to an earlier checkpoint on those (restore) must
-            # all fall back, or the ranks part ways and wait on each other forever (an outside
-            # attack had one rank report a mismatch while the others reported corruption).
-            own = _GRAVITY.get(type(unwrap(error)).__name__, 0)
-            for r, (fail, _) in enumerate(outcomes):
-                if fail is not None and _GRAVITY.get(fail[0], 0) > own:
-                    raise make_error(r, fail[0], fail[1], step) from error
         raise error
-    for r, (fail, _) in enumerate(outcomes):
-        if fail is not None:
-            raise make_error(r, fail[0], fail[1], step)
+    if failed:
+        r, fail = failed[0]
+        raise make_error(r, fail[0], fail[1], step)
     return cast(list[T], [res for _, res in outcomes])
 
 

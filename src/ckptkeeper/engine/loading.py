@@ -309,7 +309,9 @@ def _load_verified(
         except Exception as exc:  # any: every rank must reach the vote below, or the others wait in it
             log.warning("not planning from the shared index of %s: %s", path, exc)
             from_index = None
-        if not D.all_agree(from_index is not None, group=pg):
+        usable = from_index is not None
+        # A round of its own (a rank lost here is named, as in every other round).
+        if not all(agree(lambda: usable, None, pg, load_error)):
             from_index = None
     modes = agree(prepare, None, pg, load_error)
     if remote is not None and set(modes) != {"pieces"}:
