@@ -445,12 +445,7 @@ def _check_index(path: str, record: CommitRecord, metadata: Metadata, tables: Ma
     if {fqn: (tuple(info.shape), info.dtype) for fqn, info in saved.items() if info is not None} != want:
         raise ValueError(f"{INDEX_FILE} and DCP's metadata list other tensors (or shapes, or dtypes)")
     for fqn, stored in whole:
-        listed = tables.get(stored.file, {}).get(fqn)
-        if (
-            listed is None
-            or (listed.offsets, listed.sizes) != (stored.offsets, stored.sizes)
-            or any(listed.segs[k] != stored.segs[k] for k in ("head", "data", "tail"))
-        ):
+        if tables.get(stored.file, {}).get(fqn) != stored:  # the same box, file and segments (checksums too)
             raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} where the segment table of {stored.file} does not")
 
 
@@ -609,10 +604,7 @@ def verify_checksums(
         wrong: list[CorruptCheckpointError] = []
         if local is not None:
             try:
-                if listed is None:
-                    size, digest = hash_file(os.path.join(local, rel), follow_links=False)
-                else:
-                    size, digest = hash_file_and_segments(os.path.join(local, rel), listed, f"{named}/{rel}", wrong)
+                size, digest = hash_file_and_segments(os.path.join(local, rel), listed, f"{named}/{rel}", wrong)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"checkpoint {named} is corrupt: missing file {rel}") from None
             except OSError as exc:
@@ -620,10 +612,7 @@ def verify_checksums(
         else:
             with tempfile.NamedTemporaryFile(prefix="ckptkeeper-verify-") as tmp:
                 storage.download(storage.join(path, rel), tmp.name)
-                if listed is None:
-                    size, digest = hash_file(tmp.name)
-                else:
-                    size, digest = hash_file_and_segments(tmp.name, listed, f"{named}/{rel}", wrong)
+                size, digest = hash_file_and_segments(tmp.name, listed, f"{named}/{rel}", wrong)
         check_file(named, rel, entry, size, digest)
         if wrong:
             # The file is the one the record lists, its table says otherwise about its bytes.
@@ -631,9 +620,10 @@ def verify_checksums(
 
 
 def hash_file_and_segments(
-    path: str, segments: list[Any], where: str, wrong: list[CorruptCheckpointError]
+    path: str, segments: list[Any] | None, where: str, wrong: list[CorruptCheckpointError]
 ) -> tuple[int, str]:
-    """:func:`hash_file` of a data file, checking in the same read each segment against its checksum.
+    """:func:`hash_file` of a checkpoint's file (never through a link), checking in the same read
+    each of its ``segments`` (None: it has none listed) against its checksum.
 
     The first mismatch is appended to ``wrong`` (not raised: a file that is not the one the
     record lists is reported as that first, by the caller). Why not two passes: the data files
@@ -641,6 +631,8 @@ def hash_file_and_segments(
     """
     from .fastio import segment_mismatch
 
+    if segments is None:
+        return hash_file(path, follow_links=False)
     # Keyed on offset, length and checksum: an empty segment starts where the next one does, and
     # two empty ones at one offset may claim different checksums (a forged table's): every
     # distinct claim is checked (found by an outside attack).

@@ -17,7 +17,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
@@ -241,16 +241,21 @@ def _load_verified(
                 metadata = read_metadata(local, record, path)
                 saved = saved_tensors(metadata)
         # Where each tensor goes, checked against the checkpoint (and state.strict) before anything is read.
+        saved_meta = None if olmo else doc.get("state_meta", {})
+
+        def from_every_table() -> tuple[PieceIndex, Any]:
+            # Planned again from every rank's table (for a rank the shared index does not serve).
+            full = _index_from_tables(path, record, tables, None if remote else local)
+            assert full is not None  # format-2 tables always place their pieces
+            return full, state.plan_load(full.saved, saved_meta, path)
+
         try:
-            plan = state.plan_load(saved, None if olmo else doc.get("state_meta", {}), path)
+            plan = state.plan_load(saved, saved_meta, path)
         except CheckpointMismatchError:
             if not partial:
                 raise
             # The index lists tensors the tables do not (a damaged index): the tables decide.
-            index = _index_from_tables(path, record, tables, None if remote else local)
-            assert index is not None
-            saved, partial = index.saved, False
-            plan = state.plan_load(saved, None if olmo else doc.get("state_meta", {}), path)
+            (index, plan), partial = from_every_table(), False
         prep.update(doc=doc, plan=plan)
         if not tables or not plan.same_dtypes:
             return "download" if remote is not None else "dcp"
@@ -284,9 +289,7 @@ def _load_verified(
             # This rank's own table and the shared index do not cover its tensors (a replica of
             # a shard another rank wrote, say): plan from every rank's table, as at another
             # world size (which raises if the checkpoint really lacks them).
-            index = _index_from_tables(path, record, tables, None if remote else local)
-            assert index is not None
-            plan = state.plan_load(index.saved, None if olmo else doc.get("state_meta", {}), path)
+            index, plan = from_every_table()
             prep.update(plan=plan)
             if not plan.same_dtypes:
                 return "download" if remote is not None else "dcp"
@@ -466,12 +469,7 @@ def _index_from_own_table(
     if record.world_size != world or INDEX_FILE not in record.files or rel is None or not is_pieces_table(rel):
         return None
     try:
-        sizes = {}
-        for data_file in tables:
-            listed = f"{MODEL_DIR}/{data_file}"
-            if listed not in record.files:
-                raise ValueError(f"a segment table describes {listed}, which the checkpoint does not list")
-            sizes[data_file] = record.files[listed].bytes
+        sizes = _data_file_sizes(record, tables)
         doc = discovery.read_table_doc(path, record, own, local)
         assert doc is not None  # listed by segment_tables
         return index_from_own_table(doc[1], own, discovery.read_index_doc(path, record, local), world, sizes)
@@ -500,16 +498,21 @@ def _index_from_tables(path: str, record: CommitRecord, tables: Any, local: str 
         if pieces is None:
             return None
         found[data_file] = (rows, pieces)
-    sizes = {}
     try:
-        for data_file in found:
-            rel = f"{MODEL_DIR}/{data_file}"
-            if rel not in record.files:
-                raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
-            sizes[data_file] = record.files[rel].bytes
-        return index_from_tables(found, sizes)
+        return index_from_tables(found, _data_file_sizes(record, found))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise _corrupt(path, exc) from None
+
+
+def _data_file_sizes(record: CommitRecord, data_files: Iterable[str]) -> dict[str, int]:
+    """Each data file's size as the record lists it; ValueError for one a table describes that it does not list."""
+    sizes = {}
+    for data_file in data_files:
+        rel = f"{MODEL_DIR}/{data_file}"
+        if rel not in record.files:
+            raise ValueError(f"a segment table describes {rel}, which the checkpoint does not list")
+        sizes[data_file] = record.files[rel].bytes
+    return sizes
 
 
 def _corrupt(path: str, exc: Exception) -> CorruptCheckpointError:

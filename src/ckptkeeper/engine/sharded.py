@@ -422,7 +422,8 @@ def _index_prefix(layouts: tuple[ShardLayout, ...]) -> tuple[bytes, list[tuple[i
                 ranks.append(rank)
                 order.append((rank, j))
                 j += 1
-        starts.extend(_starts(layout, whole))
+        # Where each piece starts follows from the kinds (the pieces lie one after another).
+        starts.extend(entry[6] for entry, k in zip(layout.entries(), layout.kind, strict=True) if whole[k])
     doc = {
         "format": INDEX_FORMAT,
         "world_size": len(layouts),
@@ -443,21 +444,6 @@ def _index_prefix(layouts: tuple[ShardLayout, ...]) -> tuple[bytes, list[tuple[i
     text = json.dumps(doc, separators=(",", ":"))
     cut = text.rindex("null}}")
     return text[:cut].encode(), order
-
-
-def _starts(layout: ShardLayout, whole: list[bool]) -> list[int]:
-    """Where each whole piece of ``layout`` starts in its file (pieces lie one after another)."""
-    lengths = []
-    for dtype, _, _, sizes in layout.kinds:
-        head, tail, _, _ = skeleton_layout(tuple(sizes), dtype)
-        lengths.append(head + math.prod(sizes) * dtype.itemsize + tail)
-    out = []
-    pos = 0
-    for k in layout.kind:
-        if whole[k]:
-            out.append(pos)
-        pos += lengths[k]
-    return out
 
 
 def index_pieces(
@@ -555,8 +541,7 @@ def index_from_own_table(
             # before any plans from the index (an index naming another tensor's bytes, with
             # their checksum, loaded wrong values on the ranks that trusted it; found by an
             # outside attack).
-            listed = [p for p in pieces.get(fqn, ()) if p.offsets == stored.offsets]
-            if not listed or listed[0].sizes != stored.sizes or listed[0].segs != stored.segs:
+            if stored not in pieces.get(fqn, ()):  # the same box, file and segments (checksums too)
                 raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} where the segment table of {own_file} does not")
         elif fqn not in pieces:  # this rank's own file holds it already otherwise
             pieces[fqn] = [stored]
