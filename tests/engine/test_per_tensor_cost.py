@@ -735,3 +735,63 @@ def test_a_skeleton_costs_no_memory_for_the_tensors_bytes() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+def _pieces_file(folder: Path, count: int) -> tuple[list[torch.Tensor], list[Any]]:
+    """A data file of ``count`` pieces (head, float32 data, tail), with their true segments."""
+    import xxhash
+
+    from ckptkeeper.engine.fastio import Segment
+
+    g = torch.Generator().manual_seed(7)
+    values, segments, raw = [], [], bytearray()
+    for i in range(count):
+        t = torch.randn(i % 5 + 1, generator=g)
+        parts = {"head": bytes([i % 251]) * (9 + i % 4), "data": t.numpy().tobytes(), "tail": bytes([7]) * (3 + i % 2)}
+        segs = {}
+        for kind, blob in parts.items():
+            segs[kind] = Segment(kind, f"t{i}", len(raw), len(blob), xxhash.xxh3_64_hexdigest(blob))
+            raw += blob
+        values.append(t)
+        segments.append(segs)
+    (folder / "f").write_bytes(bytes(raw))
+    return values, segments
+
+
+def test_pieces_apart_in_a_file_are_read_together_and_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank reads a replicated tensor's pieces from another rank's file, each between that rank's
+    # own shards: runs apart in one file. They share reader jobs (and the jobs' buffers are
+    # reused); every destination must still get its own bytes, each checked.
+    from ckptkeeper.engine import sharded
+    from ckptkeeper.engine.sharded import LocalSource, _Read, read_pieces
+
+    values, segments = _pieces_file(tmp_path, 400)
+    wanted = range(0, 400, 2)  # every other piece: no two are neighbours
+
+    def reads(dests: dict[int, torch.Tensor]) -> list[_Read]:
+        shape = {i: tuple(values[i].shape) for i in wanted}
+        return [_Read.make(f"t{i}", dests[i], "f", segments[i], (0,), shape[i], (0,), (0,), shape[i]) for i in wanted]
+
+    # Small jobs, so that many run one after another through a few reused buffers.
+    monkeypatch.setattr(sharded, "_RUN_BYTES", 300)
+    fetched: list[int] = []
+    real = LocalSource.read_into
+
+    def counted(self: LocalSource, rel: str, offset: int, view: memoryview) -> None:
+        fetched.append(len(view))
+        real(self, rel, offset, view)
+
+    monkeypatch.setattr(LocalSource, "read_into", counted)
+    dests = {i: torch.full_like(values[i], -1.0) for i in wanted}
+    read_pieces(LocalSource(str(tmp_path)), reads(dests), verify=True, threads=2)
+    for i in wanted:
+        assert torch.equal(dests[i], values[i]), i
+    assert len(fetched) == len(wanted) and sum(fetched) < (tmp_path / "f").stat().st_size  # only the pieces wanted
+
+    # One flipped byte in a piece in the middle of a shared job: named, whichever job it is in.
+    raw = bytearray((tmp_path / "f").read_bytes())
+    raw[segments[200]["data"].offset + 1] ^= 0xFF
+    (tmp_path / "f").write_bytes(bytes(raw))
+    dests = {i: torch.full_like(values[i], -1.0) for i in wanted}
+    with pytest.raises(CorruptCheckpointError, match=r"t200 \(data\)"):
+        read_pieces(LocalSource(str(tmp_path)), reads(dests), verify=True, threads=2)
