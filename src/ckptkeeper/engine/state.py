@@ -935,11 +935,12 @@ class TrainingState:
                 continue
             slots = by_fqn.get(fqn, {})
             was = saved.get(f"model.{fqn}")
+            shape = _shape(p)  # once per parameter: a DTensor's shape is ~1 us a look
             # A slot that had the parameter's shape when saved must have it now (AdamW's moments).
             bad = [
-                (f"optim.state.{fqn}.{rest}", info.shape, _shape(p))
+                (f"optim.state.{fqn}.{rest}", info.shape, shape)
                 for rest, info in slots.items()
-                if was is not None and info.shape == was.shape and info.shape != _shape(p)
+                if was is not None and info.shape == was.shape and info.shape != shape
             ]
             if bad:
                 fit.mismatched += bad
@@ -948,10 +949,9 @@ class TrainingState:
             sub: dict[str, Any] = {}
             for rest, info in slots.items():
                 dtype = info.dtype or torch.float32
-                if info.shape == _shape(p) and p.dim() > 0:
-                    t = _empty_like(p, dtype)  # the parameter's device and sharding (DTensor)
-                else:
-                    t = torch.empty(info.shape, dtype=dtype)  # load_state_dict moves it where it belongs
+                # With the parameter's shape: its device and sharding (a DTensor); otherwise a plain
+                # tensor that load_state_dict moves where it belongs.
+                t = _empty_like(p, dtype) if shape and info.shape == shape else torch.empty(info.shape, dtype=dtype)
                 _put(sub, _split_rest(node, rest), t)
             state_t[fqn], state_m[fqn] = sub, node
         return {"tensors": state_t, "json": state_m, "names": names, "groups": saved_groups, "pairs": pairs}
