@@ -1105,28 +1105,25 @@ def read_pieces(
         return bufs
 
     def place(job: list[list[_Read]], bufs: list[memoryview]) -> None:
+        # Each piece's head, data and tail in the job's buffer; the data view is also what is copied.
+        views = [buf[seg.offset - run[0].span[0] : seg.offset - run[0].span[0] + seg.length]
+                 for run, buf in zip(job, bufs, strict=True)
+                 for read in run for seg in (read.segs["head"], read.segs["data"], read.segs["tail"])]  # fmt: skip
         if verify:
             # Every checksum of the job in one call (each run lies in one file: runs are made of
             # neighbours, jobs of runs of one file).
-            views = [buf[seg.offset - run[0].span[0] : seg.offset - run[0].span[0] + seg.length]
-                     for run, buf in zip(job, bufs, strict=True)
-                     for read in run for seg in (read.segs["head"], read.segs["data"], read.segs["tail"])]  # fmt: skip
             check_segments(f"{source.where}/{job[0][0].file}", [(read.fqn, read.segs) for run in job for read in run],
                            views)  # fmt: skip
         if back_up_whole is not None:
             # Only destinations this one piece fills: no other reader thread writes into them.
             back_up_whole([read.fqn for run in job for read in run if read.whole])
-        for run, buf in zip(job, bufs, strict=True):
-            start = run[0].span[0]
-            for read in run:
-                data = read.segs["data"]
-                if back_up_whole is None or not read.whole:
-                    backup(read)
-                piece = buf[data.offset - start : data.offset - start + data.length]
-                if read.whole:
-                    _borrowed_view(read.dest)[:] = piece  # a plain memory copy; read.dest outlives the view
-                else:
-                    _copy_overlap(read, piece)
+        for read, piece in zip((read for run in job for read in run), views[1::3], strict=True):
+            if back_up_whole is None or not read.whole:
+                backup(read)
+            if read.whole:
+                _borrowed_view(read.dest)[:] = piece  # a plain memory copy; read.dest outlives the view
+            else:
+                _copy_overlap(read, piece)
         block = bufs[0].obj if bufs else None  # every view of it is done with: it can take the next job
         if isinstance(block, bytearray) and len(block) == _RUN_BYTES:
             with lock:
