@@ -795,3 +795,39 @@ def test_pieces_apart_in_a_file_are_read_together_and_exactly(tmp_path: Path, mo
     dests = {i: torch.full_like(values[i], -1.0) for i in wanted}
     with pytest.raises(CorruptCheckpointError, match=r"t200 \(data\)"):
         read_pieces(LocalSource(str(tmp_path)), reads(dests), verify=True, threads=2)
+
+
+def test_small_reads_take_small_buffers(tmp_path: Path) -> None:
+    # Found by an outside attack: every reader job took an 8 MiB buffer, however few bytes it read;
+    # an object-store load (a job per run, many in flight) of small pieces held 64 MiB and more.
+    import tracemalloc
+
+    from ckptkeeper.engine.sharded import LocalSource, _Read, read_pieces
+
+    values, segments = _pieces_file(tmp_path, 40)
+
+    class OneRunPerJob:  # as an object store's source reads: no runs share a job
+        def __init__(self) -> None:
+            self.inner = LocalSource(str(tmp_path))
+            self.where = self.inner.where
+
+        def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+            self.inner.read_into(rel, offset, view)
+
+        def close(self) -> None:
+            self.inner.close()
+
+    for source in (LocalSource(str(tmp_path)), OneRunPerJob()):
+        dests = {i: torch.zeros_like(values[i]) for i in range(0, 40, 2)}
+        shape = {i: tuple(values[i].shape) for i in dests}
+        reads = [
+            _Read.make(f"t{i}", d, "f", segments[i], (0,), shape[i], (0,), (0,), shape[i]) for i, d in dests.items()
+        ]
+        tracemalloc.start()
+        try:
+            read_pieces(source, reads, verify=True, threads=8)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, (type(source).__name__, peak)
+        assert all(torch.equal(d, values[i]) for i, d in dests.items())

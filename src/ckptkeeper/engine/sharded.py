@@ -1095,7 +1095,11 @@ def read_pieces(
         need = sum(sizes)
         with lock:
             block = spare.pop() if spare and len(spare[-1]) >= need else None
-        whole = memoryview(block if block is not None else bytearray(max(need, _RUN_BYTES)))
+        if block is None:
+            # Only jobs of about a buffer's size get one that is kept for reuse: small ones (an
+            # object store's run of a few pieces, with many in flight) take what they need.
+            block = bytearray(_RUN_BYTES if _RUN_BYTES // 2 <= need <= _RUN_BYTES else need)
+        whole = memoryview(block)
         bufs, at = [], 0
         for run, size in zip(job, sizes, strict=True):
             buf = whole[at : at + size]
