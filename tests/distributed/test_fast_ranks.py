@@ -215,6 +215,9 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
     out = _ok(run_ranks(2, workers.load_wide_counting_tables, str(path), str(saved / "ref2.pt"), out=tmp_path / "o3"))
     assert all(v["equal"] for v in out), out
     assert out[0]["tables"] == ["__0_0.distcp", "__1_0.distcp"] and out[1]["tables"] == ["__1_0.distcp"], out
+    # ...but verify, asked whether the files are as written, names the index (it passed before).
+    with pytest.raises(CorruptCheckpointError, match="leaves out the whole piece"):
+        Checkpointer().verify(str(path))
 
     # A damaged index is refused by verify; loads check it against each rank's own table (every
     # rank the whole pieces in its own file), agree, and plan from the tables instead: exact on

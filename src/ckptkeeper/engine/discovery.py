@@ -447,6 +447,14 @@ def _check_index(path: str, record: CommitRecord, metadata: Metadata, tables: Ma
     for fqn, stored in whole:
         if tables.get(stored.file, {}).get(fqn) != stored:  # the same box, file and segments (checksums too)
             raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} where the segment table of {stored.file} does not")
+    # The writer lists every whole piece: one left out is damage too (loads then fall back to
+    # every table, so it costs them nothing, but verify is asked whether the files are intact).
+    listed = {(fqn, stored.file) for fqn, stored in whole}
+    for data_file, pieces in tables.items():
+        for fqn, stored in pieces.items():
+            shape = want.get(fqn, (None,))[0]
+            if not any(stored.offsets) and tuple(stored.sizes) == shape and (fqn, data_file) not in listed:
+                raise ValueError(f"{INDEX_FILE} leaves out the whole piece of {fqn[:80]!r} in {data_file}")
 
 
 LAYOUT_FILE = f"{MODEL_DIR}/.ckptkeeper-layout.json"
