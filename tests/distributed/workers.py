@@ -144,6 +144,33 @@ def _wide(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+def _hsdp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """:func:`_wide`'s model under HSDP at 4 ranks (a 2 x 2 mesh: replicated over its first
+    dimension, sharded over its second), under plain FSDP2 at other world sizes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(1024, 512), nn.GELU(), nn.Linear(512, 5), nn.Linear(5, 7))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+_LAYOUTS = {"fsdp": _wide, "hsdp": _hsdp}
+
+
 def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Every tensor of the training state, whole (shards gathered), on every rank."""
     from torch.distributed.tensor import DTensor
@@ -168,9 +195,9 @@ class _Events:
         logger.addHandler(handler)
 
 
-def save_wide(rank: int, folder: str, reference: str) -> list[str]:
-    """Save a trained FSDP2 state at step 5; rank 0 keeps its whole tensors in ``reference``."""
-    model, opt = _wide(seed=0)
+def save_wide(rank: int, folder: str, reference: str, layout: str = "fsdp") -> list[str]:
+    """Save a trained FSDP2 (or ``layout``) state at step 5; rank 0 keeps its whole tensors in ``reference``."""
+    model, opt = _LAYOUTS[layout](0)
     model(torch.randn(4, 1024) * (rank + 1)).sum().backward()
     opt.step()
     ckpt = Checkpointer()
@@ -182,9 +209,10 @@ def save_wide(rank: int, folder: str, reference: str) -> list[str]:
     return sorted(ckpt.verify(f"{folder}/step5").files)
 
 
-def load_wide(rank: int, path: str, reference: str) -> dict[str, Any]:
-    """Load ``path`` into a differently initialised FSDP2 state; compare whole tensors with ``reference``."""
-    model, opt = _wide(seed=1)
+def load_wide(rank: int, path: str, reference: str, layout: str = "fsdp") -> dict[str, Any]:
+    """Load ``path`` into a differently initialised FSDP2 (or ``layout``) state; compare whole
+    tensors with ``reference``."""
+    model, opt = _LAYOUTS[layout](1)
     before = _full_state(model, opt)
     events = _Events()
     ckpt = Checkpointer()
