@@ -262,6 +262,22 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
             assert value.get("equal") and value["tables"] == ["__0_0.distcp", "__1_0.distcp"], (damage.__name__, value)
 
 
+def test_verify_refuses_two_tables_for_one_data_file(saved: Path, tmp_path: Path) -> None:
+    # A format-1 table listed beside the format-2 one of the same file passed verify (loads read
+    # the format-2 table; a ckptkeeper that knows only format 1 reads the other).
+    import shutil
+
+    from ckptkeeper import Checkpointer, CorruptCheckpointError
+
+    from ..helpers import forge
+
+    path = tmp_path / "step5"
+    shutil.copytree(saved / "w2" / "step5", path)
+    forge(path, "model_and_optim/.ckptkeeper-layout-1.json", b'{"not": "a table"}')
+    with pytest.raises(CorruptCheckpointError, match=r"two segment tables of __1_0\.distcp"):
+        Checkpointer().verify(str(path))
+
+
 def test_hsdp_states_save_and_load_exactly_at_any_world_size(tmp_path: Path) -> None:
     # HSDP (replicated over one mesh dimension, sharded over the other) was untested: each shard
     # is written by one of its replicas, so at the saved world size half the ranks read their

@@ -357,7 +357,7 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
 
     from .fastio import parse_layout, saved_from_table
     from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
-    from .sharded import is_pieces_table, table_pieces
+    from .sharded import is_pieces_table, iter_layout_files, table_pieces
 
     storage = storage_for(path)
 
@@ -380,6 +380,16 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
         if rel.startswith(TRAIN_DIR + "/") and rel.endswith(".json"):
             loads_bounded(small(rel, MAX_STATE_BYTES), f"{path}/{rel}", max_bytes=MAX_STATE_BYTES, max_depth=64,
                           allow_nonfinite=True)  # fmt: skip
+    # One table per data file, as every writer makes: where a record lists two (formats 1 and 2),
+    # loads read one and a ckptkeeper that knows only format 1 the other, which nothing else checks.
+    described: dict[str, str] = {}
+    for listed_rel, data_file in iter_layout_files(record.files):
+        if data_file in described:
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is corrupt: it lists two segment tables of {data_file} ({described[data_file]} "
+                f"and {listed_rel}); load an earlier checkpoint or restore this one from a copy"
+            )
+        described[data_file] = listed_rel
     segments: dict[str, list[Any]] = {}
     stored_by_file: dict[str, dict[str, Any]] = {}
     for data_file, table_rel in segment_tables(record).items():
