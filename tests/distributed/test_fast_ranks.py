@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -276,6 +277,79 @@ def test_verify_refuses_two_tables_for_one_data_file(saved: Path, tmp_path: Path
     forge(path, "model_and_optim/.ckptkeeper-layout-1.json", b'{"not": "a table"}')
     with pytest.raises(CorruptCheckpointError, match=r"two segment tables of __1_0\.distcp"):
         Checkpointer().verify(str(path))
+
+
+def _format1_table(path: Path, rank: int, change: Any = None) -> bytes:
+    """Rank ``rank``'s format-2 table of ``path`` rewritten as format 1 (``change`` edits its pieces)."""
+    import json
+
+    from ckptkeeper.engine.sharded import table_pieces
+
+    name = f"__{rank}_0.distcp"
+    doc = json.loads((path / f"model_and_optim/.ckptkeeper-pieces-{rank}.json").read_bytes())
+    found = table_pieces(doc, name, (path / "model_and_optim" / name).stat().st_size)
+    rows = [list(stored.segs[k]) for _, _, stored, _ in found for k in ("head", "data", "tail")]
+    pieces = {fqn: [str(w.dtype), list(w.shape), list(st.offsets), list(st.sizes)] for fqn, w, st, _ in found}
+    if change is not None:
+        change(pieces)
+    return json.dumps({f"model_and_optim/{name}": rows, "pieces": pieces}).encode()
+
+
+def test_verify_checks_format1_boxes_and_every_table_and_index_entry_once(saved: Path, tmp_path: Path) -> None:
+    # Found by an outside attack: format-1 per-rank tables with two ranks' boxes of one tensor
+    # swapped (same-sized pieces) passed verify and loaded scrambled values; a single-process
+    # table listed beside a per-rank one escaped the one-table check; an index listing a whole
+    # piece twice passed.
+    import json
+    import shutil
+
+    from ckptkeeper import Checkpointer, CorruptCheckpointError
+    from ckptkeeper.engine.record import CommitRecord
+    from ckptkeeper.storage.layout import COMMIT_RECORD
+
+    from ..helpers import forge
+
+    def fresh(name: str) -> Path:
+        path = tmp_path / name / "step5"
+        shutil.copytree(saved / "w3" / "step5", path)
+        return path
+
+    def as_format1(path: Path, change: dict[int, Any]) -> None:
+        files = dict(CommitRecord.from_json((path / COMMIT_RECORD).read_bytes(), "test").files)
+        for rank in range(3):
+            forge(path, f"model_and_optim/.ckptkeeper-layout-{rank}.json", _format1_table(path, rank, change.get(rank)))
+        files = dict(CommitRecord.from_json((path / COMMIT_RECORD).read_bytes(), "test").files)
+        for rel in [f"model_and_optim/.ckptkeeper-pieces-{r}.json" for r in range(3)]:
+            files.pop(rel)
+        files.pop("model_and_optim/.ckptkeeper-index.json")
+        forge(path, files=files)
+
+    honest = fresh("honest")
+    as_format1(honest, {})
+    Checkpointer().verify(str(honest))  # format-1 tables as an older ckptkeeper wrote them: fine
+
+    def at(offset: int) -> Any:
+        return lambda pieces: pieces["model.0.bias"].__setitem__(2, [offset])
+
+    swapped = fresh("swapped")
+    assert json.loads(_format1_table(swapped, 1))["pieces"]["model.0.bias"][2:] == [[171], [171]]
+    as_format1(swapped, {0: at(171), 1: at(0)})
+    with pytest.raises(CorruptCheckpointError, match=r"model\.0\.bias"):
+        Checkpointer().verify(str(swapped))
+
+    beside = fresh("beside")
+    forge(beside, "model_and_optim/.ckptkeeper-layout.json", _format1_table(beside, 0))
+    with pytest.raises(CorruptCheckpointError, match=r"two segment tables of __0_0\.distcp"):
+        Checkpointer().verify(str(beside))
+
+    twice = fresh("twice")
+    rel = "model_and_optim/.ckptkeeper-index.json"
+    doc = json.loads((twice / rel).read_bytes())
+    for column in ("names", "kind", "rank", "start", "sums"):
+        doc["whole"][column].append(doc["whole"][column][0])
+    forge(twice, rel, json.dumps(doc).encode())
+    with pytest.raises(CorruptCheckpointError, match="twice"):
+        Checkpointer().verify(str(twice))
 
 
 def test_hsdp_states_save_and_load_exactly_at_any_world_size(tmp_path: Path) -> None:

@@ -355,9 +355,9 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .fastio import parse_layout, saved_from_table
+    from .fastio import DATA_FILE, parse_layout, saved_from_table
     from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
-    from .sharded import is_pieces_table, iter_layout_files, table_pieces
+    from .sharded import PIECES_KEY, format1_pieces, is_pieces_table, iter_layout_files, table_pieces
 
     storage = storage_for(path)
 
@@ -383,7 +383,14 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
     # One table per data file, as every writer makes: where a record lists two (formats 1 and 2),
     # loads read one and a ckptkeeper that knows only format 1 the other, which nothing else checks.
     described: dict[str, str] = {}
-    for listed_rel, data_file in iter_layout_files(record.files):
+    sources = list(iter_layout_files(record.files))
+    # A single-process table (a file, or inline in an older record) describes the first data file
+    # too, and wins over a per-rank one when loads look (found by an outside attack).
+    if LAYOUT_FILE in record.files:
+        sources.append((LAYOUT_FILE, DATA_FILE))
+    if "layout" in record.extra:
+        sources.append(("the commit record's own table", DATA_FILE))
+    for listed_rel, data_file in sources:
         if data_file in described:
             raise CorruptCheckpointError(
                 f"checkpoint {path} is corrupt: it lists two segment tables of {data_file} ({described[data_file]} "
@@ -409,6 +416,13 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
             assert found is not None
             by_fqn = parse_layout(found[0], record.files[rel].bytes, metadata, data_file)
             segments[rel] = [seg for trio in by_fqn.values() for seg in trio.values()]
+            if found[1].get(PIECES_KEY) is not None:
+                # A format-1 per-rank table places pieces too, and loads plan from it: each box must
+                # be the one DCP's metadata keeps in this file, as for format 2 (two ranks' boxes
+                # swapped for same-sized pieces passed verify and loaded scrambled values; found by
+                # an outside attack).
+                listed_pieces = list(format1_pieces(data_file, found[0], found[1][PIECES_KEY], record.files[rel].bytes))
+                _check_pieces_table(listed_pieces, metadata, data_file)
             if found[1].get("tensors") is not None:
                 # The tensor list loads use in place of DCP's metadata must say the same as it.
                 listed = saved_from_table(found[1]["tensors"])
@@ -460,6 +474,8 @@ def _check_index(path: str, record: CommitRecord, metadata: Metadata, tables: Ma
     # The writer lists every whole piece: one left out is damage too (loads then fall back to
     # every table, so it costs them nothing, but verify is asked whether the files are intact).
     listed = {(fqn, stored.file) for fqn, stored in whole}
+    if len(listed) != len(whole):
+        raise ValueError(f"{INDEX_FILE} lists a whole piece twice")
     for data_file, pieces in tables.items():
         for fqn, stored in pieces.items():
             shape = want.get(fqn, (None,))[0]

@@ -93,6 +93,7 @@ __all__ = [
     "Stored",
     "build_metadata",
     "check_stored",
+    "format1_pieces",
     "index_bytes",
     "index_from_metadata",
     "index_from_own_table",
@@ -668,7 +669,7 @@ def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
     return out
 
 
-def _format1_pieces(data_file: str, rows: Any, listed: Any, file_size: int) -> Iterator[_Found]:
+def format1_pieces(data_file: str, rows: Any, listed: Any, file_size: int) -> Iterator[_Found]:
     """The pieces of a format-1 table (``rows``: three segment rows per piece; ``listed``:
     ``{fqn: [dtype, shape, offsets, sizes]}``), checked as :func:`table_pieces` checks format 2,
     and each piece's header sums against its listed size and dtype."""
@@ -716,7 +717,7 @@ def index_from_tables(tables: Mapping[str, Any], sizes: Mapping[str, int]) -> Pi
     covered: dict[str, int] = {}
     for data_file, table in tables.items():
         if isinstance(table, tuple):
-            found: Iterator[_Found] | list[_Found] = _format1_pieces(data_file, table[0], table[1], sizes[data_file])
+            found: Iterator[_Found] | list[_Found] = format1_pieces(data_file, table[0], table[1], sizes[data_file])
         else:
             found = table_pieces(table, data_file, sizes[data_file])
         for fqn, whole, stored, volume in found:
