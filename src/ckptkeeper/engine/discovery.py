@@ -355,9 +355,9 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .fastio import DATA_FILE, parse_layout, saved_from_table
+    from .fastio import parse_layout, saved_from_table
     from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
-    from .sharded import PIECES_KEY, format1_pieces, is_pieces_table, iter_layout_files, table_pieces
+    from .sharded import PIECES_KEY, format1_pieces, is_pieces_table, table_pieces
 
     storage = storage_for(path)
 
@@ -382,21 +382,17 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
                           allow_nonfinite=True)  # fmt: skip
     # One table per data file, as every writer makes: where a record lists two (formats 1 and 2),
     # loads read one and a ckptkeeper that knows only format 1 the other, which nothing else checks.
+    # Every table counts, a single-process one (a file, or inline in an older record) included:
+    # it describes the first data file too (found by an outside attack).
     described: dict[str, str] = {}
-    sources = list(iter_layout_files(record.files))
-    # A single-process table (a file, or inline in an older record) describes the first data file
-    # too, and wins over a per-rank one when loads look (found by an outside attack).
-    if LAYOUT_FILE in record.files:
-        sources.append((LAYOUT_FILE, DATA_FILE))
-    if "layout" in record.extra:
-        sources.append(("the commit record's own table", DATA_FILE))
-    for listed_rel, data_file in sources:
+    for listed_rel, data_file in _listed_tables(record):
+        name = listed_rel or "the commit record's own table"
         if data_file in described:
             raise CorruptCheckpointError(
                 f"checkpoint {path} is corrupt: it lists two segment tables of {data_file} ({described[data_file]} "
-                f"and {listed_rel}); load an earlier checkpoint or restore this one from a copy"
+                f"and {name}); load an earlier checkpoint or restore this one from a copy"
             )
-        described[data_file] = listed_rel
+        described[data_file] = name
     segments: dict[str, list[Any]] = {}
     stored_by_file: dict[str, dict[str, Any]] = {}
     for data_file, table_rel in segment_tables(record).items():
@@ -414,15 +410,17 @@ def verify_structure(path: str, record: CommitRecord) -> dict[str, list[Any]]:
                 continue
             found = read_segment_table(path, record, data_file)
             assert found is not None
-            by_fqn = parse_layout(found[0], record.files[rel].bytes, metadata, data_file)
-            segments[rel] = [seg for trio in by_fqn.values() for seg in trio.values()]
             if found[1].get(PIECES_KEY) is not None:
                 # A format-1 per-rank table places pieces too, and loads plan from it: each box must
                 # be the one DCP's metadata keeps in this file, as for format 2 (two ranks' boxes
                 # swapped for same-sized pieces passed verify and loaded scrambled values; found by
-                # an outside attack).
+                # an outside attack). The same checks as format 2's, the tiling included.
                 listed_pieces = list(format1_pieces(data_file, found[0], found[1][PIECES_KEY], record.files[rel].bytes))
                 _check_pieces_table(listed_pieces, metadata, data_file)
+                by_fqn: Mapping[str, Mapping[str, Any]] = {fqn: stored.segs for fqn, _, stored, _ in listed_pieces}
+            else:
+                by_fqn = parse_layout(found[0], record.files[rel].bytes, metadata, data_file)
+            segments[rel] = [seg for trio in by_fqn.values() for seg in trio.values()]
             if found[1].get("tensors") is not None:
                 # The tensor list loads use in place of DCP's metadata must say the same as it.
                 listed = saved_from_table(found[1]["tensors"])
@@ -453,7 +451,7 @@ def _check_index(path: str, record: CommitRecord, metadata: Metadata, tables: Ma
     (loads at the saved world size plan from it in place of the other ranks' tables)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .sharded import INDEX_FILE, index_pieces
+    from .sharded import INDEX_FILE, index_pieces, is_whole
 
     doc = read_index_doc(path, record)
     if doc is None:
@@ -479,7 +477,7 @@ def _check_index(path: str, record: CommitRecord, metadata: Metadata, tables: Ma
     for data_file, pieces in tables.items():
         for fqn, stored in pieces.items():
             shape = want.get(fqn, (None,))[0]
-            if not any(stored.offsets) and tuple(stored.sizes) == shape and (fqn, data_file) not in listed:
+            if shape is not None and is_whole(shape, stored.offsets, stored.sizes) and (fqn, data_file) not in listed:
                 raise ValueError(f"{INDEX_FILE} leaves out the whole piece of {fqn[:80]!r} in {data_file}")
 
 
@@ -523,18 +521,24 @@ def has_layout(record: CommitRecord) -> bool:
     return "layout" in record.extra or LAYOUT_FILE in record.files or any(iter_layout_files(record.files))
 
 
-def segment_tables(record: CommitRecord) -> dict[str, str | None]:
-    """For each data file (name inside ``model_and_optim``) with a segment table: the table's
-    file (None: inline in a 0.2 record). Single-process checkpoints have one, others one per rank."""
+def _listed_tables(record: CommitRecord) -> list[tuple[str | None, str]]:
+    """Every segment table a record lists, as (its file, or None for one inline in a 0.2 record;
+    the data file it describes), in the order in which a later one wins for its data file."""
     from .fastio import DATA_FILE
     from .sharded import iter_layout_files
 
-    out: dict[str, str | None] = {data: rel for rel, data in iter_layout_files(record.files)}
+    out: list[tuple[str | None, str]] = list(iter_layout_files(record.files))
+    if LAYOUT_FILE in record.files:
+        out.append((LAYOUT_FILE, DATA_FILE))
     if "layout" in record.extra:
-        out[DATA_FILE] = None
-    elif LAYOUT_FILE in record.files:
-        out[DATA_FILE] = LAYOUT_FILE
+        out.append((None, DATA_FILE))
     return out
+
+
+def segment_tables(record: CommitRecord) -> dict[str, str | None]:
+    """For each data file (name inside ``model_and_optim``) with a segment table: the table's
+    file (None: inline in a 0.2 record). Single-process checkpoints have one, others one per rank."""
+    return {data: rel for rel, data in _listed_tables(record)}
 
 
 def read_segment_rows(path: str, record: CommitRecord, data_file: str, local: str | None = None) -> Any:

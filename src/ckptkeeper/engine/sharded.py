@@ -100,6 +100,7 @@ __all__ = [
     "index_from_tables",
     "index_pieces",
     "is_pieces_table",
+    "is_whole",
     "layout_name",
     "local_pieces",
     "metadata_bytes",
@@ -362,9 +363,15 @@ def write_shard(
     return {f"{MODEL_DIR}/{name}": entry, table_name(rank): table_entry}, layout, whole_sums
 
 
+def is_whole(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether a piece (its box: ``offsets``, ``sizes``) is the whole of a tensor of ``shape``:
+    the pieces the shared index lists (:data:`INDEX_FILE`)."""
+    return not any(offsets) and tuple(sizes) == tuple(shape)
+
+
 def _whole_kinds(kinds: Sequence[Sequence[Any]]) -> list[bool]:
     """For each kind (dtype, tensor shape, offsets, sizes): whether its piece is the whole tensor."""
-    return [not any(offsets) and tuple(sizes) == tuple(shape) for _, shape, offsets, sizes in kinds]
+    return [is_whole(shape, offsets, sizes) for _, shape, offsets, sizes in kinds]
 
 
 INDEX_FILE = f"{MODEL_DIR}/.ckptkeeper-index.json"
@@ -1152,9 +1159,10 @@ def read_pieces(
     # Object stores keep a job per run: there each is a request, and the pool runs them in parallel.
     jobs: list[list[list[_Read]]] = []
     job_bytes = 0
+    batches = getattr(source, "batches_reads", False)
     for run in runs:
         size = run[-1].span[1] - run[0].span[0]
-        if (getattr(source, "batches_reads", False) and jobs and jobs[-1][0][0].file == run[0].file
+        if (batches and jobs and jobs[-1][0][0].file == run[0].file
                 and job_bytes + size <= _RUN_BYTES and len(jobs[-1]) < _JOB_RUNS):  # fmt: skip
             jobs[-1].append(run)
             job_bytes += size
