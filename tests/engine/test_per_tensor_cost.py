@@ -831,3 +831,69 @@ def test_small_reads_take_small_buffers(tmp_path: Path) -> None:
             tracemalloc.stop()
         assert peak < 1 << 20, (type(source).__name__, peak)
         assert all(torch.equal(d, values[i]) for i, d in dests.items())
+
+
+def test_the_data_file_is_read_ahead_while_the_load_plans_and_no_further(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkeeper.engine import loading
+
+    tree = _tree(4)
+    Checkpointer().save(str(tmp_path), 1, _FixedState(tree))
+    size = (tmp_path / "step1" / "model_and_optim" / "__0_0.distcp").stat().st_size
+    monkeypatch.setattr(loading, "_EARLY_READ_AHEAD", size // 3)
+    monkeypatch.setattr(loading, "_READ_AHEAD_CHUNK", 4096)
+    real = os.preadv
+    ahead: list[tuple[int, int]] = []
+
+    def spy(fd: int, buffers: list[Any], offset: int) -> int:
+        n = real(fd, buffers, offset)
+        if threading.current_thread().name == "ckptkeeper-read-ahead":
+            ahead.append((offset, n))
+        return n
+
+    monkeypatch.setattr(os, "preadv", spy)
+
+    def planning(_train_state: Any) -> None:  # runs before any tensor is read
+        for _ in range(1000):
+            if sum(n for _, n in ahead) >= size // 3:
+                return
+            threading.Event().wait(0.01)
+
+    fresh = _like(tree, 5.0)
+    Checkpointer().load(str(tmp_path / "step1"), _FixedState(fresh), check_train_state=planning)
+    assert all(torch.equal(fresh["model"][k], v) for k, v in tree["model"].items())
+    # The file's first third, in order, once, and nothing past it.
+    assert sum(n for _, n in ahead) == size // 3
+    assert [off for off, _ in ahead] == sorted({off for off, _ in ahead})
+    assert not any(t.name == "ckptkeeper-read-ahead" for t in threading.enumerate())
+
+
+def test_the_read_ahead_stops_when_a_load_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptkeeper.engine import loading
+
+    tree = _tree(5)
+    Checkpointer().save(str(tmp_path), 1, _FixedState(tree))
+    monkeypatch.setattr(loading, "_READ_AHEAD_CHUNK", 64)  # thousands of chunks: still reading at the failure
+    started = threading.Event()
+    real = os.preadv
+
+    def spy(fd: int, buffers: list[Any], offset: int) -> int:
+        if threading.current_thread().name == "ckptkeeper-read-ahead":
+            started.set()
+            threading.Event().wait(0.001)  # a slow disk: seconds for the whole file
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    seen = []
+
+    def refuse(_train_state: Any) -> None:
+        seen.append(started.wait(10))
+        raise ValueError("not this one")
+
+    fresh = _like(tree, 5.0)
+    with pytest.raises(CorruptCheckpointError, match="trainer state is not usable"):
+        Checkpointer().load(str(tmp_path / "step1"), _FixedState(fresh), check_train_state=refuse)
+    assert seen == [True]
+    assert not any(t.name == "ckptkeeper-read-ahead" for t in threading.enumerate())
+    assert all(bool((v == 5).all()) for v in fresh["model"].values())

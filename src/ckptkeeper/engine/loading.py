@@ -35,7 +35,7 @@ from .deleter import new_spool
 from .fastio import DATA_FILE, TENSORS_KEY, can_use_fast_path, parse_layout, read_fast, saved_from_table
 from .loader import CheckpointMismatchError, Rollback, check_unread, read_metadata, read_train_state, saved_tensors
 from .metrics import emit
-from .record import CommitRecord, FileEntry, hash_file
+from .record import CommitRecord, hash_file
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from .saving import quiet_dcp, tensor_bytes
 from .sharded import (
@@ -174,6 +174,32 @@ def _load_verified(
     Returns this rank's trainer state and how tensors were read: "fast" (the single-process
     reader), "pieces" (per piece, any world size; ranged reads on object stores) or "dcp".
     """
+    ahead: _ReadAhead | None = None
+    rank, world = D.get_rank(ck.process_group), D.get_world_size(ck.process_group)
+    if remote is None and not isinstance(record, discovery.OlmoCoreRecord) and record.world_size == world:
+        # At the saved world size a rank reads its own data file (nearly) whole: the disk reads it
+        # while the load plans. (At another, each rank reads parts of several.)
+        data = f"{MODEL_DIR}/{shard_name(rank)}"
+        entry = record.files.get(data)
+        if entry is not None and entry.bytes:
+            ahead = _ReadAhead(os.path.join(local, data), entry.bytes)
+    try:
+        return _load_planned(ck, path, local, record, state, verified, check_train_state, remote)
+    finally:
+        if ahead is not None:
+            ahead.stop()
+
+
+def _load_planned(
+    ck: Checkpointer,
+    path: str,
+    local: str,
+    record: CommitRecord,
+    state: TrainingState,
+    verified: bool,
+    check_train_state: Callable[[dict[str, Any]], None] | None,
+    remote: Storage | None,
+) -> tuple[dict[str, Any], str]:
     pg = ck.process_group
     rank, world = D.get_rank(pg), D.get_world_size(pg)
     olmo = isinstance(record, discovery.OlmoCoreRecord)
@@ -299,8 +325,6 @@ def _load_verified(
         prep["reads"] = reads
         return "pieces"
 
-    if remote is None and not olmo and world == 1 and record.world_size == 1:
-        _read_ahead(os.path.join(local, MODEL_DIR, DATA_FILE), record.files.get(f"{MODEL_DIR}/{DATA_FILE}"))
     from_index: PieceIndex | None = None
     if not olmo and world > 1 and record.world_size == world and INDEX_FILE in record.files:
         # Whether every rank plans from its own table and the shared index, decided together:
@@ -431,29 +455,48 @@ def _load_verified(
 
 
 _EARLY_READ_AHEAD = 512 << 20
+_READ_AHEAD_CHUNK = 2 << 20
 
 
-def _read_ahead(data_path: str, entry: FileEntry | None) -> None:
-    """Ask the kernel to start reading the data file now, on a thread of its own.
+class _ReadAhead:
+    """Reads the first ``_EARLY_READ_AHEAD`` bytes of a data file on a thread of its own, into the
+    page cache, until stopped.
 
-    Checking the trainer state, the segment table and the fit takes a few hundred milliseconds
+    Checking the trainer state, the segment tables and the fit takes a few hundred milliseconds
     for a state of many tensors, before the first tensor is read; with the disk reading
-    meanwhile, a cold 10,000-tensor load found most of its bytes in memory. Only a hint: the
-    reads still check every byte, and nothing is read past the first ``_EARLY_READ_AHEAD`` bytes.
+    meanwhile, the reads find their bytes in memory. Measured here (cold cache, 2 ranks, 10,000
+    tensors): 0.51 s per load without, 0.42-0.45 s with; one process 0.35-0.37 -> 0.32-0.34 s.
+    Real reads, not ``posix_fadvise(WILLNEED)``: this machine's ext4 ignored the hint (a cold
+    read after it took as long as without). Only bytes are fetched: every byte a load uses is
+    still read and checked by the reader.
     """
-    if entry is None or not entry.bytes or not hasattr(os, "posix_fadvise"):
-        return
 
-    def advise() -> None:
-        with contextlib.suppress(OSError):
-            fd = open_regular(data_path)
+    def __init__(self, path: str, nbytes: int) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(path, min(nbytes, _EARLY_READ_AHEAD)), name="ckptkeeper-read-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, path: str, limit: int) -> None:
+        with contextlib.suppress(OSError):  # only a head start: the reader reports what is wrong
+            fd = open_regular(path)
             try:
-                os.posix_fadvise(fd, 0, min(entry.bytes, _EARLY_READ_AHEAD), os.POSIX_FADV_WILLNEED)
+                buf = memoryview(bytearray(_READ_AHEAD_CHUNK))
+                at = 0
+                while at < limit and not self._stop.is_set():
+                    n = os.preadv(fd, [buf[: min(len(buf), limit - at)]], at)
+                    if n == 0:
+                        break
+                    at += n
             finally:
                 os.close(fd)
 
-    # A thread, not the caller: queuing the reads can block for as long as the disk is busy.
-    threading.Thread(target=advise, name="ckptkeeper-read-ahead", daemon=True).start()
+    def stop(self) -> None:
+        """Stop at the next chunk (the load is done, or failed), waiting a moment for the thread."""
+        self._stop.set()
+        # Bounded: a disk that hangs the read here would hang the load's own reads first.
+        self._thread.join(timeout=1.0)
 
 
 def _index_from_own_table(
