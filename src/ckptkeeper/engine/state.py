@@ -182,6 +182,8 @@ def _split_rest(node: Any, rest: str) -> tuple[str, ...]:
     The JSON tree keeps every dict of the saved state (even one holding only tensors), so a key
     ``a.b.c`` is ``{"a": {"b.c": t}}`` when the saved state had a dict ``a``, else ``{"a.b.c": t}``.
     """
+    if "." not in rest:
+        return (rest,)  # an optimizer slot's usual name ("exp_avg", "step"): nothing to follow
     parts = rest.split(".")
     path: list[str] = []
     i = 0
