@@ -833,8 +833,38 @@ def test_small_reads_take_small_buffers(tmp_path: Path) -> None:
         assert all(torch.equal(d, values[i]) for i, d in dests.items())
 
 
+def _spy_read_ahead(monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> list[tuple[str, int, int]]:
+    """Every (call, offset, bytes) the read-ahead thread makes, through sendfile or preadv."""
+    real_send, real_read = os.sendfile, os.preadv
+    seen: list[tuple[str, int, int]] = []
+
+    def ours() -> bool:
+        if threading.current_thread().name != "ckptkeeper-read-ahead":
+            return False
+        if delay:
+            threading.Event().wait(delay)  # a slow disk
+        return True
+
+    def send(out: int, fd: int, offset: int, count: int) -> int:
+        n = real_send(out, fd, offset, count)
+        if ours():
+            seen.append(("sendfile", offset, n))
+        return n
+
+    def read(fd: int, buffers: list[Any], offset: int) -> int:
+        n = real_read(fd, buffers, offset)
+        if ours():
+            seen.append(("preadv", offset, n))
+        return n
+
+    monkeypatch.setattr(os, "sendfile", send)
+    monkeypatch.setattr(os, "preadv", read)
+    return seen
+
+
+@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "reads"])
 def test_the_data_file_is_read_ahead_while_the_load_plans_and_no_further(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sendfile: bool
 ) -> None:
     from ckptkeeper.engine import loading
 
@@ -843,20 +873,17 @@ def test_the_data_file_is_read_ahead_while_the_load_plans_and_no_further(
     size = (tmp_path / "step1" / "model_and_optim" / "__0_0.distcp").stat().st_size
     monkeypatch.setattr(loading, "_EARLY_READ_AHEAD", size // 3)
     monkeypatch.setattr(loading, "_READ_AHEAD_CHUNK", 4096)
-    real = os.preadv
-    ahead: list[tuple[int, int]] = []
+    ahead = _spy_read_ahead(monkeypatch)
+    if not sendfile:  # a system where sendfile to /dev/null is refused: plain reads take over
 
-    def spy(fd: int, buffers: list[Any], offset: int) -> int:
-        n = real(fd, buffers, offset)
-        if threading.current_thread().name == "ckptkeeper-read-ahead":
-            ahead.append((offset, n))
-        return n
+        def refused(*_args: Any) -> int:
+            raise OSError(22, "Invalid argument")
 
-    monkeypatch.setattr(os, "preadv", spy)
+        monkeypatch.setattr(os, "sendfile", refused)
 
     def planning(_train_state: Any) -> None:  # runs before any tensor is read
         for _ in range(1000):
-            if sum(n for _, n in ahead) >= size // 3:
+            if sum(n for _, _, n in ahead) >= size // 3:
                 return
             threading.Event().wait(0.01)
 
@@ -864,9 +891,30 @@ def test_the_data_file_is_read_ahead_while_the_load_plans_and_no_further(
     Checkpointer().load(str(tmp_path / "step1"), _FixedState(fresh), check_train_state=planning)
     assert all(torch.equal(fresh["model"][k], v) for k, v in tree["model"].items())
     # The file's first third, in order, once, and nothing past it.
-    assert sum(n for _, n in ahead) == size // 3
-    assert [off for off, _ in ahead] == sorted({off for off, _ in ahead})
+    assert {call for call, _, _ in ahead} == {"sendfile" if sendfile else "preadv"}
+    assert sum(n for _, _, n in ahead) == size // 3
+    assert [off for _, off, _ in ahead] == sorted({off for _, off, _ in ahead})
     assert not any(t.name == "ckptkeeper-read-ahead" for t in threading.enumerate())
+
+
+def test_a_load_goes_on_without_a_read_ahead_when_no_thread_can_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by an attack: under a process limit the thread's start raised a bare RuntimeError out
+    # of the load (at several ranks, before the ranks' first agreement: the others waited).
+    tree = _tree(6)
+    Checkpointer().save(str(tmp_path), 1, _FixedState(tree))
+    real = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "ckptkeeper-read-ahead":
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    fresh = _like(tree, 5.0)
+    Checkpointer().load(str(tmp_path / "step1"), _FixedState(fresh))
+    assert all(torch.equal(fresh["model"][k], v) for k, v in tree["model"].items())
 
 
 def test_the_read_ahead_stops_when_a_load_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -875,20 +923,15 @@ def test_the_read_ahead_stops_when_a_load_fails(tmp_path: Path, monkeypatch: pyt
     tree = _tree(5)
     Checkpointer().save(str(tmp_path), 1, _FixedState(tree))
     monkeypatch.setattr(loading, "_READ_AHEAD_CHUNK", 64)  # thousands of chunks: still reading at the failure
-    started = threading.Event()
-    real = os.preadv
-
-    def spy(fd: int, buffers: list[Any], offset: int) -> int:
-        if threading.current_thread().name == "ckptkeeper-read-ahead":
-            started.set()
-            threading.Event().wait(0.001)  # a slow disk: seconds for the whole file
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", spy)
+    ahead = _spy_read_ahead(monkeypatch, delay=0.001)  # seconds for the whole file
     seen = []
 
     def refuse(_train_state: Any) -> None:
-        seen.append(started.wait(10))
+        for _ in range(1000):
+            if ahead:
+                break
+            threading.Event().wait(0.01)
+        seen.append(bool(ahead))
         raise ValueError("not this one")
 
     fresh = _like(tree, 5.0)
