@@ -17,7 +17,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
@@ -123,7 +123,8 @@ def load(
                 spool = new_spool(ck.spool_dir, "load")
                 where = spool
                 record = agree(lambda: download(ck, storage, path, where), None, pg, load_error)[rank]
-                train_state, _ = _load_verified(ck, path, spool, record, state, True, check_train_state)
+                with _reading_ahead(ck, spool, record):
+                    train_state, _ = _load_verified(ck, path, spool, record, state, True, check_train_state)
                 reader = "download"
         else:
             # One filesystem: rank 0 checks every file's size, the others take its verdict.
@@ -138,7 +139,8 @@ def load(
 
             record = agree(check, None, pg, load_error)[rank]
             verified = ck.verify_checksums and not discovery.has_layout(record)
-            train_state, reader = _load_verified(ck, path, local, record, state, verified, check_train_state)
+            with _reading_ahead(ck, local, record):
+                train_state, reader = _load_verified(ck, path, local, record, state, verified, check_train_state)
         emit("load", path=path, step=record.step, bytes=record.total_bytes, files=len(record.files),
              seconds=time.perf_counter() - t0, retries=getattr(storage, "retries", 0) - retries_before,
              reader=reader, fetched=storage.bytes_fetched - fetched_before)  # fmt: skip
@@ -174,32 +176,6 @@ def _load_verified(
     Returns this rank's trainer state and how tensors were read: "fast" (the single-process
     reader), "pieces" (per piece, any world size; ranged reads on object stores) or "dcp".
     """
-    ahead: _ReadAhead | None = None
-    rank, world = D.get_rank(ck.process_group), D.get_world_size(ck.process_group)
-    if remote is None and not isinstance(record, discovery.OlmoCoreRecord) and record.world_size == world:
-        # At the saved world size a rank reads its own data file (nearly) whole: the disk reads it
-        # while the load plans. (At another, each rank reads parts of several.)
-        data = f"{MODEL_DIR}/{shard_name(rank)}"
-        entry = record.files.get(data)
-        if entry is not None and entry.bytes:
-            ahead = _ReadAhead.start(os.path.join(local, data), entry.bytes)
-    try:
-        return _load_planned(ck, path, local, record, state, verified, check_train_state, remote)
-    finally:
-        if ahead is not None:
-            ahead.stop()
-
-
-def _load_planned(
-    ck: Checkpointer,
-    path: str,
-    local: str,
-    record: CommitRecord,
-    state: TrainingState,
-    verified: bool,
-    check_train_state: Callable[[dict[str, Any]], None] | None,
-    remote: Storage | None,
-) -> tuple[dict[str, Any], str]:
     pg = ck.process_group
     rank, world = D.get_rank(pg), D.get_world_size(pg)
     olmo = isinstance(record, discovery.OlmoCoreRecord)
@@ -456,6 +432,25 @@ def _load_planned(
 
 _EARLY_READ_AHEAD = 512 << 20
 _READ_AHEAD_CHUNK = 2 << 20
+
+
+@contextlib.contextmanager
+def _reading_ahead(ck: Checkpointer, local: str, record: CommitRecord) -> Iterator[None]:
+    """The block runs while this rank's own data file in ``local`` is read ahead (see
+    :class:`_ReadAhead`), at the saved world size, where a rank reads its own file (nearly) whole;
+    at another, each rank reads parts of several, and nothing is read ahead."""
+    ahead: _ReadAhead | None = None
+    rank, world = D.get_rank(ck.process_group), D.get_world_size(ck.process_group)
+    if not isinstance(record, discovery.OlmoCoreRecord) and record.world_size == world:
+        data = f"{MODEL_DIR}/{shard_name(rank)}"
+        entry = record.files.get(data)
+        if entry is not None and entry.bytes:
+            ahead = _ReadAhead.start(os.path.join(local, data), entry.bytes)
+    try:
+        yield
+    finally:
+        if ahead is not None:
+            ahead.stop()
 
 
 class _ReadAhead:
