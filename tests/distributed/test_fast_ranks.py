@@ -192,16 +192,6 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
 
     from ..helpers import forge
 
-    out = _ok(run_ranks(2, workers.load_wide_counting_tables, str(saved / "w2" / "step5"), str(saved / "ref2.pt"),
-                        out=tmp_path / "o1"))  # fmt: skip
-    for rank, value in enumerate(out):
-        assert value["equal"] and value["reader"] == "pieces", value
-        assert value["tables"] == [f"__{rank}_0.distcp"], value
-    # At another world size every table is read (any rank's pieces may be needed).
-    out = _ok(run_ranks(3, workers.load_wide_counting_tables, str(saved / "w2" / "step5"), str(saved / "ref2.pt"),
-                        out=tmp_path / "o2"))  # fmt: skip
-    assert all(v["equal"] and v["tables"] == ["__0_0.distcp", "__1_0.distcp"] for v in out), out
-
     # An index that leaves out whole pieces a rank needs (the other rank wrote them): that rank
     # plans from every table instead, and the load is still exact.
     path = tmp_path / "step5"
@@ -213,9 +203,19 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
     keep = [i for i, r in enumerate(whole["rank"]) if r == 0]
     cut = {**intact, "whole": {k: (v if k == "kinds" else [v[i] for i in keep]) for k, v in whole.items()}}
     forge(path, rel, json.dumps(cut).encode())
-    out = _ok(run_ranks(2, workers.load_wide_counting_tables, str(path), str(saved / "ref2.pt"), out=tmp_path / "o3"))
+    # Both loads in one process group (the intact checkpoint first).
+    outs = _ok(run_ranks(2, workers.load_wide_counting_tables_each, [str(saved / "w2" / "step5"), str(path)],
+                         str(saved / "ref2.pt"), out=tmp_path / "o1"))  # fmt: skip
+    for rank, (value, _) in enumerate(outs):
+        assert value["equal"] and value["reader"] == "pieces", value
+        assert value["tables"] == [f"__{rank}_0.distcp"], value
+    out = [cut_load for _, cut_load in outs]
     assert all(v["equal"] for v in out), out
     assert out[0]["tables"] == ["__0_0.distcp", "__1_0.distcp"] and out[1]["tables"] == ["__1_0.distcp"], out
+    # At another world size every table is read (any rank's pieces may be needed).
+    out = _ok(run_ranks(3, workers.load_wide_counting_tables, str(saved / "w2" / "step5"), str(saved / "ref2.pt"),
+                        out=tmp_path / "o2"))  # fmt: skip
+    assert all(v["equal"] and v["tables"] == ["__0_0.distcp", "__1_0.distcp"] for v in out), out
     # ...but verify, asked whether the files are as written, names the index (it passed before).
     with pytest.raises(CorruptCheckpointError, match="leaves out the whole piece"):
         Checkpointer().verify(str(path))
@@ -251,15 +251,22 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
         t["kinds"].append([dtype, [shape[0] + 1, *shape[1:]]])
         t["kind"][i] = len(t["kinds"]) - 1
 
-    for damage in (past_end, wrong_sum, other_world, redirected, extra_tensor, other_shape):
+    damages = (past_end, wrong_sum, other_world, redirected, extra_tensor, other_shape)
+    damaged = []
+    for damage in damages:
         doc = json.loads(json.dumps(intact))
         damage(doc)
-        forge(path, rel, json.dumps(doc).encode())
+        copy = tmp_path / damage.__name__ / "step5"
+        shutil.copytree(saved / "w2" / "step5", copy)
+        forge(copy, rel, json.dumps(doc).encode())
         with pytest.raises(CorruptCheckpointError):
-            Checkpointer().verify(str(path))
-        out = _ok(run_ranks(2, workers.load_wide_counting_tables, str(path), str(saved / "ref2.pt"),
-                            out=tmp_path / f"o-{damage.__name__}"))  # fmt: skip
-        for value in out:
+            Checkpointer().verify(str(copy))
+        damaged.append(str(copy))
+    outs = _ok(run_ranks(2, workers.load_wide_counting_tables_each, damaged, str(saved / "ref2.pt"),
+                         out=tmp_path / "o-damaged"))  # fmt: skip
+    for rank_out in outs:
+        assert len(rank_out) == len(damages), rank_out
+        for damage, value in zip(damages, rank_out, strict=True):
             assert value.get("equal") and value["tables"] == ["__0_0.distcp", "__1_0.distcp"], (damage.__name__, value)
 
 

@@ -323,6 +323,12 @@ def load_wide_counting_tables(rank: int, path: str, reference: str) -> dict[str,
     return {**out, "tables": sorted(set(read))}
 
 
+def load_wide_counting_tables_each(rank: int, paths: list[str], reference: str) -> list[dict[str, Any]]:
+    """:func:`load_wide_counting_tables` for each of ``paths`` in turn, in one process group (a
+    group per checkpoint spent most of a test's time starting processes)."""
+    return [load_wide_counting_tables(rank, path, reference) for path in paths]
+
+
 def load_round_with_different_failures(rank: int) -> str:
     """One load agreement round in which rank 0 finds a mismatch, the last rank corruption and any
     other rank nothing wrong: the class each raises."""
