@@ -460,7 +460,8 @@ class _ReadAhead:
     Checking the trainer state, the segment tables and the fit takes a few hundred milliseconds
     for a state of many tensors, before the first tensor is read; with the disk reading
     meanwhile, the reads find their bytes in memory. Measured here (cold cache, 2 ranks, 10,000
-    tensors): 0.51 s per load without, 0.42-0.45 s with; one process 0.35-0.37 -> 0.32-0.34 s.
+    tensors, interleaved runs): 0.57-0.62 s per load without, 0.44-0.45 s with; one process
+    0.35-0.37 -> 0.32-0.34 s (with reads into a buffer, before sendfile).
     ``posix_fadvise(WILLNEED)`` alone, used before, does next to nothing: Linux caps one hint at
     the device's read-ahead window (8 MiB here), and a cold read after it took as long as
     without. The bytes go to ``/dev/null`` by ``sendfile`` (no copy into this process: a warm
