@@ -492,14 +492,19 @@ class _ReadAhead:
             fd = open_regular(path)
             try:
                 at = self._send(fd, limit)
-                buf = memoryview(bytearray(_READ_AHEAD_CHUNK)) if at < limit else memoryview(b"")
-                while at < limit and not self._stop.is_set():
-                    n = os.preadv(fd, [buf[: min(len(buf), limit - at)]], at)
-                    if n == 0:
-                        break
-                    at += n
+                if at < limit:
+                    self._read(fd, at, limit)
             finally:
                 os.close(fd)
+
+    def _read(self, fd: int, at: int, limit: int) -> None:
+        # Plain reads into a throwaway buffer, where sendfile is refused.
+        buf = memoryview(bytearray(_READ_AHEAD_CHUNK))
+        while at < limit and not self._stop.is_set():
+            n = os.preadv(fd, [buf[: min(len(buf), limit - at)]], at)
+            if n == 0:
+                break
+            at += n
 
     def _send(self, fd: int, limit: int) -> int:
         """Where reading is to go on from: ``limit`` when sendfile took it to the end (or was
