@@ -1038,3 +1038,42 @@ def test_a_failure_to_make_the_next_read_job_waits_for_the_jobs_in_flight() -> N
             fetch_and_place(pool, [], runs(), fetch, lambda run, got: placed.append(got), ahead=3)
         assert sorted(finished) == [0, 1]  # the slow job in flight had finished before the raise
     assert placed == []  # nothing is placed once an error is known (it was, before any placing)
+
+
+def test_destinations_sharing_memory_are_not_read_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two names for one tensor (tied weights, a view of a buffer): read in place, each name's
+    # check would look at memory the other's read may have overwritten (a damaged piece could
+    # pass, hidden under its twin's bytes). They are read through a buffer, checked there and
+    # copied in, in file order, as the single-process reader does. (Their backups are taken up
+    # front by the loader's Rollback, which groups tensors by storage.)
+    from ckptkeeper.engine import sharded
+    from ckptkeeper.engine.sharded import LocalSource, _Read, read_pieces
+
+    values, segments = _pieces_file(tmp_path, 60)
+    monkeypatch.setattr(sharded, "_RUN_BYTES", 1)  # a job per piece
+    shared = torch.full_like(values[4], -1.0)
+    dests = {i: torch.full_like(values[i], -1.0) for i in range(60)}
+    dests[4] = dests[39] = shared  # both of five elements
+    buffered: list[int] = []
+
+    class Counting(LocalSource):
+        def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+            buffered.append(offset)
+            super().read_into(rel, offset, view)
+
+    def read(source: LocalSource) -> None:
+        shape = [tuple(v.shape) for v in values]
+        reads = [_Read.make(f"t{i}", dests[i], "f", segments[i], (0,), shape[i], (0,), (0,), shape[i]) for i in dests]
+        read_pieces(source, reads, verify=True, threads=2)
+
+    read(Counting(str(tmp_path)))
+    assert sorted(buffered) == [segments[4]["head"].offset, segments[39]["head"].offset]
+    assert torch.equal(shared, values[39])  # the later piece in the file is the one kept
+    assert all(torch.equal(dests[i], values[i]) for i in dests if i not in (4, 39))
+
+    # The first twin damaged: named, whichever order the reads ran in.
+    raw = bytearray((tmp_path / "f").read_bytes())
+    raw[segments[4]["data"].offset] ^= 0xFF
+    (tmp_path / "f").write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match=r"t4 \(data\)"):
+        read(LocalSource(str(tmp_path)))

@@ -27,6 +27,7 @@ import copyreg
 import ctypes
 import io
 import math
+import operator
 import os
 import pickle
 import threading
@@ -1001,8 +1002,23 @@ def _will_need(fd: int, run: list[tuple[str, torch.Tensor, Mapping[str, Segment]
             os.posix_fadvise(fd, start, tail.offset + tail.length - start, os.POSIX_FADV_WILLNEED)
 
 
+_NBYTES = operator.attrgetter("nbytes")
+
+
 def _overlapping(jobs: list[tuple[str, torch.Tensor, Any]]) -> set[str]:
     """Names of destinations whose bytes overlap another destination's."""
+    import numpy as np
+
+    # Told apart in C first: nearly always nothing overlaps, and sorting a tuple per destination
+    # (below) took 12-20 ms per load of 10,000 tensors.
+    dests = [job[1] for job in jobs]
+    starts = np.fromiter(map(torch.Tensor.data_ptr, dests), dtype=np.uint64, count=len(dests))
+    ends = starts + np.fromiter(map(_NBYTES, dests), dtype=np.uint64, count=len(dests))
+    used = ends > starts
+    order = np.argsort(starts[used], kind="stable")
+    first, last = starts[used][order], ends[used][order]
+    if not (first[1:] < np.maximum.accumulate(last)[:-1]).any():
+        return set()
     spans = sorted(
         (dest.data_ptr(), dest.data_ptr() + n, fqn)
         for fqn, dest, _ in jobs

@@ -63,6 +63,7 @@ from .fastio import (
     _leaves,
     _new_segment,
     _open_data_file,
+    _overlapping,
     check_names,
     check_segments,
     dumps_metadata,
@@ -1122,6 +1123,10 @@ def read_pieces(
         return bufs
 
     scatter = getattr(source, "read_scatter", None)
+    # Destinations whose memory overlaps another's (tied weights, views of one buffer) are read
+    # through a job buffer: read in place, one name's check would see what the other's read put
+    # there (a damaged piece could pass under its twin's bytes).
+    aliased = _overlapping([(fqn, dest, None) for fqn, dest in {r.fqn: r.dest for r in reads}.items()])
     # Head and tail buffers of placed scatter jobs, reused by later ones of no more bytes (each is
     # made as large as its job needs: at most ``ahead + 1`` exist at once).
     scratch: list[bytearray] = []
@@ -1133,6 +1138,8 @@ def read_pieces(
         # time). The destinations are backed up first; their bytes are checked once read, and a
         # mismatch puts them back (as for the large pieces read in place).
         if scatter is None or not all(read.whole for run in job for read in run):
+            return job, None
+        if aliased and any(read.fqn in aliased for run in job for read in run):
             return job, None
         need = sum(read.segs["head"].length + read.segs["tail"].length for run in job for read in run)
         with lock:
