@@ -465,3 +465,13 @@ def test_tables_that_disagree_with_the_data_or_the_metadata_are_caught_before_an
                         per_rank_env={1: {"CKPTKEEPER_STAGING_BUDGET": "16"}}))  # fmt: skip
     for value in out:
         assert value["error"] == "CorruptCheckpointError" and value["unchanged"], value
+
+
+def test_tied_weights_load_and_are_checked_on_the_bytes_read_at_two_ranks(tmp_path: Path) -> None:
+    # Found by an outside attack on the scatter reads: two names sharing memory were both read
+    # into it before either was checked, so an intact untied checkpoint was refused as corrupt
+    # and a damaged first copy passed under its twin's bytes.
+    for value in _ok(run_ranks(2, workers.load_tied_weights, str(tmp_path / "c"), out=tmp_path / "o")):
+        assert all(value["later"]), value
+        assert value["damaged"], "no tied pair had both copies in one file"
+        assert f"{value['damaged']} (data)" in value["error"] and value["unchanged"], value

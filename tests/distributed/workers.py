@@ -382,3 +382,64 @@ def load_wide_while_rank_one_dies_planning(rank: int, path: str) -> dict[str, An
         return {"error": type(exc).__name__, "message": str(exc),
                 "unchanged": all(torch.equal(after[k], before[k]) for k in before)}  # fmt: skip
     return {"error": None}
+
+
+class _TiedPairs(nn.Module):
+    """Embeddings with output layers that share their weights (a replicated, unsharded model)."""
+
+    def __init__(self, seed: int, tied: bool) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.ModuleList(nn.Embedding(16, 8) for _ in range(8))
+        self.h = nn.ModuleList(nn.Linear(8, 16, bias=False) for _ in range(8))
+        if tied:
+            for a, h in zip(self.a, self.h, strict=True):
+                h.weight = a.weight
+
+
+def load_tied_weights(rank: int, folder: str) -> dict[str, Any]:
+    """At the saved world size: an untied checkpoint into a tied model, then a tied checkpoint one
+    of whose pair's earlier copy is damaged (both copies in one rank's file, read by one job)."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ckptkeeper.engine.sharded import table_pieces
+    from ckptkeeper.errors import CorruptCheckpointError
+
+    untied = _TiedPairs(0, tied=False)
+    Checkpointer().save(f"{folder}/untied", 1, TrainingState(untied))
+    target = _TiedPairs(1, tied=True)
+    Checkpointer().load(f"{folder}/untied/step1", TrainingState(target))
+    # The later name in the file is the one a tied pair keeps, as DCP leaves it.
+    later = [torch.equal(target.h[i].weight, untied.h[i].weight) for i in range(8)]
+
+    Checkpointer().save(f"{folder}/tied", 1, TrainingState(_TiedPairs(0, tied=True)))
+    step = f"{folder}/tied/step1/model_and_optim"
+    damaged = None
+    if rank == 0:
+        where = {}
+        for r in range(dist.get_world_size()):
+            doc = json.loads(Path(f"{step}/.ckptkeeper-pieces-{r}.json").read_text())
+            data = f"__{r}_0.distcp"
+            for fqn, _, stored, _ in table_pieces(doc, data, os.path.getsize(f"{step}/{data}")):
+                where[fqn] = (r, stored.segs["data"].offset)
+        for i in range(8):
+            pair = sorted([(where[f"model.{n}.{i}.weight"], f"model.{n}.{i}.weight") for n in ("a", "h")])
+            if pair[0][0][0] == pair[1][0][0]:  # one file
+                (r, offset), damaged = pair[0]
+                raw = bytearray(Path(f"{step}/__{r}_0.distcp").read_bytes())
+                raw[offset + 5] ^= 0xFF
+                Path(f"{step}/__{r}_0.distcp").write_bytes(bytes(raw))
+                break
+    box = [damaged]
+    dist.broadcast_object_list(box, src=0)
+    victim = _TiedPairs(2, tied=True)
+    before = state_digest(victim)
+    error = ""
+    try:
+        Checkpointer().load(f"{folder}/tied/step1", TrainingState(victim))
+    except CorruptCheckpointError as exc:
+        error = str(exc)
+    return {"later": later, "damaged": box[0], "error": error, "unchanged": state_digest(victim) == before}

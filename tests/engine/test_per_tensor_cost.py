@@ -1064,7 +1064,8 @@ def test_destinations_sharing_memory_are_not_read_in_place(tmp_path: Path, monke
     def read(source: LocalSource) -> None:
         shape = [tuple(v.shape) for v in values]
         reads = [_Read.make(f"t{i}", dests[i], "f", segments[i], (0,), shape[i], (0,), (0,), shape[i]) for i in dests]
-        read_pieces(source, reads, verify=True, threads=2)
+        # With a backup (the loader's Rollback), as whole pieces are read in place only then.
+        read_pieces(source, reads, verify=True, threads=2, back_up_whole=lambda names: None)
 
     read(Counting(str(tmp_path)))
     assert sorted(buffered) == [segments[4]["head"].offset, segments[39]["head"].offset]
@@ -1077,3 +1078,22 @@ def test_destinations_sharing_memory_are_not_read_in_place(tmp_path: Path, monke
     (tmp_path / "f").write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=r"t4 \(data\)"):
         read(LocalSource(str(tmp_path)))
+
+
+def test_without_a_backup_no_unchecked_byte_reaches_a_destination(tmp_path: Path) -> None:
+    # A load over its staging budget has no backup: every segment is checked up front, and the
+    # reads must still check each piece before copying it in (the file may have changed since;
+    # found by an outside attack). Reading whole pieces in place would leave a damaged piece's
+    # bytes in its destination with nothing to put them back.
+    from ckptkeeper.engine.sharded import LocalSource, _Read, read_pieces
+
+    values, segments = _pieces_file(tmp_path, 60)
+    raw = bytearray((tmp_path / "f").read_bytes())
+    raw[segments[31]["data"].offset] ^= 0xFF
+    (tmp_path / "f").write_bytes(bytes(raw))
+    dests = {i: torch.full_like(values[i], -1.0) for i in range(60)}
+    shape = [tuple(v.shape) for v in values]
+    reads = [_Read.make(f"t{i}", dests[i], "f", segments[i], (0,), shape[i], (0,), (0,), shape[i]) for i in dests]
+    with pytest.raises(CorruptCheckpointError, match=r"t31 \(data\)"):
+        read_pieces(LocalSource(str(tmp_path)), reads, verify=True, threads=2)
+    assert torch.equal(dests[31], torch.full_like(values[31], -1.0))  # one job: none of it was copied in

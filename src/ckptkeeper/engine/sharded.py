@@ -1122,7 +1122,10 @@ def read_pieces(
             at += size
         return bufs
 
-    scatter = getattr(source, "read_scatter", None)
+    # Only where destinations are backed up: without a backup (a load over its staging budget,
+    # checked up front) nothing may reach a destination before its check, which a read in place
+    # would do if the file changed after that check.
+    scatter = getattr(source, "read_scatter", None) if before_write or back_up_whole else None
     # Destinations whose memory overlaps another's (tied weights, views of one buffer) are read
     # through a job buffer: read in place, one name's check would see what the other's read put
     # there (a damaged piece could pass under its twin's bytes).
