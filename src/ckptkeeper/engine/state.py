@@ -306,12 +306,38 @@ _FSDP2_HOOKS = {
 }
 
 
+_FSDP2_CODES: set[Any] = set()  # the code objects of the hooks found to be FSDP2's
+
+
 def _known_hooks(hooks: Mapping[Any, Any]) -> bool:
     for hook in hooks.values():
         fn = getattr(hook, "hook", hook)  # torch wraps some hooks in a _WrappedHook
+        # FSDP2 registers a hook per parameter (thousands), each a new function of one code
+        # object: that is recognised once, then looked up.
+        code = getattr(fn, "__code__", None)
+        if code is not None and code in _FSDP2_CODES:
+            continue
         if (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) not in _FSDP2_HOOKS:
             return False
+        if code is not None:
+            _FSDP2_CODES.add(code)
     return True
+
+
+def _all_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module of ``model`` once (as ``model.modules()``, in another order): a loop over the
+    children's dicts instead of a generator per module (half the time for a model of thousands,
+    walked several times per load)."""
+    found = [model]
+    seen = {id(model)}
+    i = 0
+    while i < len(found):
+        for child in found[i]._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                found.append(child)
+        i += 1
+    return found
 
 
 _OWN_LOADING = frozenset(
@@ -326,21 +352,27 @@ def _loads_by_copying(model: nn.Module) -> bool:
     ``state_dict()`` returned (so tensors read into those need no load_state_dict at all)."""
     if type(model).load_state_dict is not nn.Module.load_state_dict or _uses_fsdp1(model):
         return False
-    for m in model.modules():
+    plain_classes: set[type] = set()  # a few classes for thousands of modules: each is looked at once
+    for m in _all_modules(model):
         cls = type(m)
+        if cls not in plain_classes:
+            if (
+                cls._load_from_state_dict is not nn.Module._load_from_state_dict
+                or cls._save_to_state_dict is not nn.Module._save_to_state_dict
+                or cls.state_dict is not nn.Module.state_dict
+                # Extra state is handed out by get_extra_state() (a tensor is read into that copy)
+                # and only applied by set_extra_state() inside load_state_dict.
+                or cls.set_extra_state is not nn.Module.set_extra_state
+            ):
+                return False
+            plain_classes.add(cls)
         if (
             _OWN_LOADING.intersection(m.__dict__)  # set on the instance: torch calls those
             or not all(type(t) in _PLAIN for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
-            or cls._load_from_state_dict is not nn.Module._load_from_state_dict
-            or cls._save_to_state_dict is not nn.Module._save_to_state_dict
-            or cls.state_dict is not nn.Module.state_dict
-            # Extra state is handed out by get_extra_state() (a tensor is read into that copy)
-            # and only applied by set_extra_state() inside load_state_dict.
-            or cls.set_extra_state is not nn.Module.set_extra_state
             or m._state_dict_hooks
-            or not _known_hooks(m._load_state_dict_pre_hooks)
-            or not _known_hooks(m._load_state_dict_post_hooks)
-            or not _known_hooks(m._state_dict_pre_hooks)
+            or (m._load_state_dict_pre_hooks and not _known_hooks(m._load_state_dict_pre_hooks))
+            or (m._load_state_dict_post_hooks and not _known_hooks(m._load_state_dict_post_hooks))
+            or (m._state_dict_pre_hooks and not _known_hooks(m._state_dict_pre_hooks))
         ):
             return False
     return True
@@ -383,7 +415,7 @@ def _uses_fsdp1(model: nn.Module) -> bool:
         return bool(FullyShardedDataParallel.fsdp_modules(model))
     # A scan for the wrapper class: DCP's traversal asks every module for composable state
     # (a tenth of planning a 10,000-tensor load, asked several times per load).
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    return any(isinstance(m, FullyShardedDataParallel) for m in _all_modules(model))
 
 
 def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
