@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -782,14 +781,7 @@ def test_pieces_apart_in_a_file_are_read_together_and_exactly(tmp_path: Path, mo
         fetched.append(len(view))
         real(self, rel, offset, view)
 
-    real_scatter = LocalSource.read_scatter
-
-    def counted_scatter(self: LocalSource, rel: str, offset: int, views: list[memoryview]) -> None:
-        fetched.append(sum(len(v) for v in views))
-        real_scatter(self, rel, offset, views)
-
     monkeypatch.setattr(LocalSource, "read_into", counted)
-    monkeypatch.setattr(LocalSource, "read_scatter", counted_scatter)
     dests = {i: torch.full_like(values[i], -1.0) for i in wanted}
     read_pieces(LocalSource(str(tmp_path)), reads(dests), verify=True, threads=2)
     for i in wanted:
@@ -803,65 +795,6 @@ def test_pieces_apart_in_a_file_are_read_together_and_exactly(tmp_path: Path, mo
     dests = {i: torch.full_like(values[i], -1.0) for i in wanted}
     with pytest.raises(CorruptCheckpointError, match=r"t200 \(data\)"):
         read_pieces(LocalSource(str(tmp_path)), reads(dests), verify=True, threads=2)
-
-
-def _scatter_read(folder: Path, values: list[torch.Tensor], segments: list[Any]) -> tuple[Any, ...]:
-    """Read every piece of ``_pieces_file`` whole into new destinations, the way a load does.
-
-    Returns (destinations, what each backed-up destination held at its backup, the number of
-    buffers per scatter read, the error raised or None).
-    """
-    from ckptkeeper.engine.sharded import LocalSource, _Read, read_pieces
-
-    dests = {i: torch.full_like(values[i], -1.0) for i in range(len(values))}
-    at_backup: dict[str, torch.Tensor] = {}
-    scattered: list[int] = []
-
-    def back_up_whole(names: list[str]) -> None:
-        for name in names:
-            at_backup[name] = dests[int(name[1:])].clone()
-
-    class Counting(LocalSource):
-        def read_into(self, rel: str, offset: int, view: memoryview) -> None:
-            raise AssertionError("whole pieces of a local file are read by scatter reads")
-
-        def read_scatter(self, rel: str, offset: int, views: list[memoryview]) -> None:
-            scattered.append(len(views))
-            super().read_scatter(rel, offset, views)
-
-    shape = [tuple(v.shape) for v in values]
-    reads = [_Read.make(f"t{i}", dests[i], "f", segments[i], (0,), shape[i], (0,), (0,), shape[i]) for i in dests]
-    try:
-        read_pieces(Counting(str(folder)), reads, verify=True, threads=2, back_up_whole=back_up_whole)
-    except CorruptCheckpointError as exc:
-        return dests, at_backup, scattered, exc
-    return dests, at_backup, scattered, None
-
-
-def test_whole_small_pieces_are_read_straight_into_their_destinations_after_their_backup(tmp_path: Path) -> None:
-    # Runs of whole pieces are read by scatter reads into the destinations themselves (no job
-    # buffer, no copy out of it). Each destination must be backed up before the read writes
-    # into it, and a damaged piece must still be named, its bytes having landed where the
-    # backup can put them back.
-    values, segments = _pieces_file(tmp_path, 60)
-    for damaged in (False, True):
-        if damaged:
-            raw = bytearray((tmp_path / "f").read_bytes())
-            raw[segments[31]["data"].offset] ^= 0xFF
-            (tmp_path / "f").write_bytes(bytes(raw))
-        dests, at_backup, scattered, error = _scatter_read(tmp_path, values, segments)
-        if damaged:
-            assert error is not None and "t31 (data)" in str(error)
-        else:
-            assert error is None
-            assert all(torch.equal(dests[i], values[i]) for i in range(60))
-        assert scattered and sum(scattered) % 3 == 0  # a head, the destination and a tail per piece
-        # Every destination written was backed up first, while it still held its old bytes.
-        written = {f"t{i}" for i in range(60) if not torch.equal(dests[i], torch.full_like(values[i], -1.0))}
-        assert written and written <= set(at_backup)
-        assert all(torch.equal(t, torch.full_like(t, -1.0)) for t in at_backup.values())
-        if damaged:
-            assert "t31" in written  # its bytes landed in place: the caller's backup puts them back
 
 
 def test_small_reads_take_small_buffers(tmp_path: Path) -> None:
@@ -1007,77 +940,6 @@ def test_the_read_ahead_stops_when_a_load_fails(tmp_path: Path, monkeypatch: pyt
     assert seen == [True]
     assert not any(t.name == "ckptkeeper-read-ahead" for t in threading.enumerate())
     assert all(bool((v == 5).all()) for v in fresh["model"].values())
-
-
-def test_a_failure_to_make_the_next_read_job_waits_for_the_jobs_in_flight() -> None:
-    # Read jobs are made lazily, in the placing thread, just before each is submitted (a scatter
-    # job backs up its destinations there). One that fails to be made must stop the load like a
-    # failed read: raised only once every job already submitted has stopped writing.
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ckptkeeper.engine.fastio import fetch_and_place
-
-    release = threading.Event()
-    finished: list[int] = []
-    placed: list[int] = []
-
-    def runs() -> Iterator[int]:
-        yield 0
-        yield 1
-        raise OSError("could not back up the next job's destinations")
-
-    def fetch(run: int) -> int:
-        if run == 1:
-            release.wait(5)
-        finished.append(run)
-        return run
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        threading.Timer(0.2, release.set).start()
-        with pytest.raises(OSError, match="could not back up"):
-            fetch_and_place(pool, [], runs(), fetch, lambda run, got: placed.append(got), ahead=3)
-        assert sorted(finished) == [0, 1]  # the slow job in flight had finished before the raise
-    assert placed == []  # nothing is placed once an error is known (it was, before any placing)
-
-
-def test_destinations_sharing_memory_are_not_read_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two names for one tensor (tied weights, a view of a buffer): read in place, each name's
-    # check would look at memory the other's read may have overwritten (a damaged piece could
-    # pass, hidden under its twin's bytes). They are read through a buffer, checked there and
-    # copied in, in file order, as the single-process reader does. (Their backups are taken up
-    # front by the loader's Rollback, which groups tensors by storage.)
-    from ckptkeeper.engine import sharded
-    from ckptkeeper.engine.sharded import LocalSource, _Read, read_pieces
-
-    values, segments = _pieces_file(tmp_path, 60)
-    monkeypatch.setattr(sharded, "_RUN_BYTES", 1)  # a job per piece
-    shared = torch.full_like(values[4], -1.0)
-    dests = {i: torch.full_like(values[i], -1.0) for i in range(60)}
-    dests[4] = dests[39] = shared  # both of five elements
-    buffered: list[int] = []
-
-    class Counting(LocalSource):
-        def read_into(self, rel: str, offset: int, view: memoryview) -> None:
-            buffered.append(offset)
-            super().read_into(rel, offset, view)
-
-    def read(source: LocalSource) -> None:
-        shape = [tuple(v.shape) for v in values]
-        reads = [_Read.make(f"t{i}", dests[i], "f", segments[i], (0,), shape[i], (0,), (0,), shape[i]) for i in dests]
-        # With a backup (the loader's Rollback), as whole pieces are read in place only then.
-        read_pieces(source, reads, verify=True, threads=2, back_up_whole=lambda names: None)
-
-    read(Counting(str(tmp_path)))
-    assert sorted(buffered) == [segments[4]["head"].offset, segments[39]["head"].offset]
-    assert torch.equal(shared, values[39])  # the later piece in the file is the one kept
-    assert all(torch.equal(dests[i], values[i]) for i in dests if i not in (4, 39))
-
-    # The first twin damaged: named, whichever order the reads ran in.
-    raw = bytearray((tmp_path / "f").read_bytes())
-    raw[segments[4]["data"].offset] ^= 0xFF
-    (tmp_path / "f").write_bytes(bytes(raw))
-    with pytest.raises(CorruptCheckpointError, match=r"t4 \(data\)"):
-        read(LocalSource(str(tmp_path)))
 
 
 def test_without_a_backup_no_unchecked_byte_reaches_a_destination(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 from typing import IO, Any, NamedTuple, TypeVar, cast
 
 import torch
@@ -731,7 +732,7 @@ V = TypeVar("V")
 def fetch_and_place(
     pool: ThreadPoolExecutor,
     others: list[Future[Any]],
-    runs: Iterable[R],
+    runs: list[R],
     fetch: Callable[[R], V],
     place: Callable[[R, V], None],
     ahead: int,
@@ -739,28 +740,15 @@ def fetch_and_place(
     """Fetch ``runs`` on ``pool`` (``ahead`` at a time, in order) and ``place`` each in this thread.
 
     Placing many small tensors is Python work per tensor; spread over several threads it only
-    fought over the GIL (measured twice as slow), while fetching releases it. ``runs`` may be a
-    lazy iterable: each run is made, in this thread, just before it is submitted. Every job (the
-    fetches and ``others``, already submitted) has stopped before the first error is raised
-    (from a fetch, a placing or the making of a run), so nothing writes into a tensor afterwards.
+    fought over the GIL (measured twice as slow), while fetching releases it. Every job (the
+    fetches and ``others``, already submitted) has stopped before the first error is raised, so
+    nothing writes into a tensor afterwards.
     """
     error: BaseException | None = None
     window: deque[tuple[R, Future[V]]] = deque()
     pending = iter(runs)
-
-    def submit_next() -> None:
-        nonlocal error
-        try:
-            run = next(pending, None)
-        except BaseException as failed:  # kept, raised once every reader has stopped
-            error = error or failed
-            return
-        if run is not None:
-            window.append((run, pool.submit(fetch, run)))
-
-    for _ in range(ahead):
-        if error is None:
-            submit_next()
+    for run in islice(pending, ahead):
+        window.append((run, pool.submit(fetch, run)))
     while window:
         run, got = window.popleft()
         try:
@@ -769,8 +757,9 @@ def fetch_and_place(
                 place(run, view)
         except BaseException as failed:  # kept, raised once every reader has stopped
             error = error or failed
-        if error is None:
-            submit_next()
+        nxt = next(pending, None) if error is None else None
+        if nxt is not None:
+            window.append((nxt, pool.submit(fetch, nxt)))
     for done in others:
         exc = done.exception()
         if exc is not None and error is None:

@@ -63,7 +63,6 @@ from .fastio import (
     _leaves,
     _new_segment,
     _open_data_file,
-    _overlapping,
     check_names,
     check_segments,
     dumps_metadata,
@@ -71,7 +70,6 @@ from .fastio import (
     fetch_and_place,
     parse_layout,
     pread_full,
-    preadv_full,
     saved_from_table,
     segment_mismatch,
     skeleton_layout,
@@ -891,10 +889,6 @@ class LocalSource:
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
         pread_full(self._fd(rel), view, offset, os.path.join(self.where, rel))
 
-    def read_scatter(self, rel: str, offset: int, views: list[memoryview]) -> None:
-        """Fill ``views`` one after another from ``rel`` at ``offset`` (one ``preadv`` per IOV_MAX of them)."""
-        preadv_full(self._fd(rel), list(views), offset, os.path.join(self.where, rel))
-
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
@@ -1122,82 +1116,6 @@ def read_pieces(
             at += size
         return bufs
 
-    # Only where destinations are backed up: without a backup (a load over its staging budget,
-    # checked up front) nothing may reach a destination before its check, which a read in place
-    # would do if the file changed after that check.
-    scatter = getattr(source, "read_scatter", None) if before_write or back_up_whole else None
-    # Destinations whose memory overlaps another's (tied weights, views of one buffer) are read
-    # through a job buffer: read in place, one name's check would see what the other's read put
-    # there (a damaged piece could pass under its twin's bytes).
-    aliased = _overlapping([(fqn, dest, None) for fqn, dest in {r.fqn: r.dest for r in reads}.items()])
-    # Head and tail buffers of placed scatter jobs, reused by later ones of no more bytes (each is
-    # made as large as its job needs: at most ``ahead + 1`` exist at once).
-    scratch: list[bytearray] = []
-
-    def prepare(job: list[list[_Read]]) -> tuple[list[list[_Read]], list[list[memoryview]] | None]:
-        # In this thread, just before the job is submitted. A job of whole pieces is read straight
-        # into its destinations, each piece's head and tail into a small buffer: no job buffer and
-        # no copy out of it (a memory copy of every byte, a twentieth of a 10,000-tensor load's
-        # time). The destinations are backed up first; their bytes are checked once read, and a
-        # mismatch puts them back (as for the large pieces read in place).
-        if scatter is None or not all(read.whole for run in job for read in run):
-            return job, None
-        if aliased and any(read.fqn in aliased for run in job for read in run):
-            return job, None
-        need = sum(read.segs["head"].length + read.segs["tail"].length for run in job for read in run)
-        with lock:
-            spare_block = scratch.pop() if scratch and len(scratch[-1]) >= need else None
-        small = memoryview(spare_block if spare_block is not None else bytearray(need))
-        per_run: list[list[memoryview]] = []
-        at = 0
-        for run in job:
-            views: list[memoryview] = []
-            pos = run[0].span[0]
-            for read in run:
-                head, data, tail = read.segs["head"], read.segs["data"], read.segs["tail"]
-                dest = _borrowed_view(read.dest)  # read.dest (held by the plan) outlives the view
-                if not (head.offset == pos and data.offset == pos + head.length
-                        and tail.offset == data.offset + data.length and len(dest) == data.length):  # fmt: skip
-                    raise CorruptCheckpointError(
-                        f"{source.where}/{read.file}: the segments of {read.fqn} do not lie one after another "
-                        f"or hold {data.length} bytes where {len(dest)} are expected"
-                    )
-                views += (small[at : at + head.length], dest, small[at + head.length : at + head.length + tail.length])
-                at += head.length + tail.length
-                pos = tail.offset + tail.length
-            per_run.append(views)
-        if back_up_whole is not None:
-            back_up_whole([read.fqn for run in job for read in run])
-        else:
-            for run in job:
-                for read in run:
-                    backup(read)
-        return job, per_run
-
-    def fetch_prepared(prepared: tuple[list[list[_Read]], list[list[memoryview]] | None]) -> list[memoryview]:
-        job, per_run = prepared
-        if per_run is None:
-            return fetch(job)
-        assert scatter is not None
-        for run, views in zip(job, per_run, strict=True):
-            scatter(run[0].file, run[0].span[0], views)
-        return [view for views in per_run for view in views]
-
-    def place_prepared(
-        prepared: tuple[list[list[_Read]], list[list[memoryview]] | None], views: list[memoryview]
-    ) -> None:
-        job, per_run = prepared
-        if per_run is None:
-            place(job, views)
-            return
-        if verify:
-            check_segments(f"{source.where}/{job[0][0].file}", [(read.fqn, read.segs) for run in job for read in run],
-                           views)  # fmt: skip
-        block = views[0].obj if views else None
-        if isinstance(block, bytearray):
-            with lock:
-                scratch.append(block)
-
     def place(job: list[list[_Read]], bufs: list[memoryview]) -> None:
         # Each piece's head, data and tail in the job's buffer; the data view is also what is copied.
         views = [buf[seg.offset - run[0].span[0] : seg.offset - run[0].span[0] + seg.length]
@@ -1254,7 +1172,7 @@ def read_pieces(
     try:
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
             futures = [pool.submit(direct, r) for r in sorted(large, key=lambda r: -r.segs["data"].length)]
-            fetch_and_place(pool, futures, map(prepare, jobs), fetch_prepared, place_prepared, ahead=max(2, threads))
+            fetch_and_place(pool, futures, jobs, fetch, place, ahead=max(2, threads))
     finally:
         source.close()
 
