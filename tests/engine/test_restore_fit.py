@@ -780,3 +780,26 @@ def test_a_load_keeps_the_order_of_each_parameters_optimizer_slots(tmp_path: Pat
     fresh = torch.optim.AdamW(m.parameters(), lr=1e-2)
     ck.load(saved.path, TrainingState(m, fresh))
     assert all(set(fresh.state[p]) == set(b) for p, b in zip(m.parameters(), before, strict=True))
+
+
+def test_the_read_in_place_check_looks_at_every_module_not_only_each_class_once() -> None:
+    # Classes are checked once per load (a model repeats a few classes thousands of times), but a
+    # hook or an instance-level override on the last of many modules of one class still counts.
+    from ckptkeeper.engine.state import _loads_by_copying
+
+    def model() -> nn.Sequential:
+        return nn.Sequential(*(nn.Linear(2, 2) for _ in range(50)))
+
+    assert _loads_by_copying(model())
+    hooked = model()
+    hooked[-1].register_load_state_dict_post_hook(lambda module, keys: None)
+    assert not _loads_by_copying(hooked)
+    pre = model()
+    pre[-1].register_state_dict_pre_hook(lambda module, prefix, keep_vars: None)
+    assert not _loads_by_copying(pre)
+    own = model()
+    own[-1]._load_from_state_dict = lambda *args: None  # type: ignore[method-assign]
+    assert not _loads_by_copying(own)
+    late_class = model()
+    late_class.append(type("Custom", (nn.Linear,), {"_load_from_state_dict": lambda self, *a: None})(2, 2))
+    assert not _loads_by_copying(late_class)
