@@ -803,3 +803,40 @@ def test_the_read_in_place_check_looks_at_every_module_not_only_each_class_once(
     late_class = model()
     late_class.append(type("Custom", (nn.Linear,), {"_load_from_state_dict": lambda self, *a: None})(2, 2))
     assert not _loads_by_copying(late_class)
+
+
+def test_a_hook_made_from_an_fsdp2_hooks_code_is_not_taken_for_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by an outside attack on a cache of FSDP2's hooks by code object: code objects compare
+    # equal across files, and a user's function can be built on FSDP2's very code object with its
+    # own closure and name; either was then skipped along with load_state_dict.
+    import types
+
+    from ckptkeeper.engine import state
+
+    def fsdp_like(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    monkeypatch.setattr(state, "_FSDP2_HOOKS", {(fsdp_like.__module__, fsdp_like.__qualname__)})
+    assert state._known_hooks({0: fsdp_like})
+    for code in (fsdp_like.__code__, fsdp_like.__code__.replace(co_filename="users_own_file.py")):
+        users = types.FunctionType(code, {}, "users_hook")
+        users.__qualname__ = "users_hook"
+        users.__module__ = "users_module"
+        assert not state._known_hooks({0: fsdp_like, 1: users})
+
+
+def test_classes_that_compare_equal_are_each_checked() -> None:
+    # Found by an outside attack: classes were remembered by equality, and a metaclass can make
+    # every class equal to a plain one, so a later class with its own loading went unchecked.
+    from ckptkeeper.engine.state import _loads_by_copying
+
+    class AllEqual(type(nn.Module)):  # type: ignore[misc]
+        def __eq__(cls, other: object) -> bool:
+            return True
+
+        def __hash__(cls) -> int:
+            return 1
+
+    plain = AllEqual("Plain", (nn.Linear,), {})
+    own = AllEqual("Own", (nn.Linear,), {"_load_from_state_dict": lambda self, *args: None})
+    assert not _loads_by_copying(nn.Sequential(plain(2, 2), own(2, 2)))

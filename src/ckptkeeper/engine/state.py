@@ -306,21 +306,14 @@ _FSDP2_HOOKS = {
 }
 
 
-_FSDP2_CODES: set[Any] = set()  # the code objects of the hooks found to be FSDP2's
-
-
 def _known_hooks(hooks: Mapping[Any, Any]) -> bool:
+    # Every hook by its own module and name each time: remembering FSDP2's by code object let a
+    # user's function built on that code object (with its own closure and name) pass for FSDP2's
+    # (found by an outside attack).
     for hook in hooks.values():
         fn = getattr(hook, "hook", hook)  # torch wraps some hooks in a _WrappedHook
-        # FSDP2 registers a hook per parameter (thousands), each a new function of one code
-        # object: that is recognised once, then looked up.
-        code = getattr(fn, "__code__", None)
-        if code is not None and code in _FSDP2_CODES:
-            continue
         if (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) not in _FSDP2_HOOKS:
             return False
-        if code is not None:
-            _FSDP2_CODES.add(code)
     return True
 
 
@@ -352,10 +345,12 @@ def _loads_by_copying(model: nn.Module) -> bool:
     ``state_dict()`` returned (so tensors read into those need no load_state_dict at all)."""
     if type(model).load_state_dict is not nn.Module.load_state_dict or _uses_fsdp1(model):
         return False
-    plain_classes: set[type] = set()  # a few classes for thousands of modules: each is looked at once
+    # A few classes for thousands of modules: each is looked at once (by identity: a metaclass
+    # can make classes compare equal).
+    plain_classes: set[int] = set()
     for m in _all_modules(model):
         cls = type(m)
-        if cls not in plain_classes:
+        if id(cls) not in plain_classes:
             if (
                 cls._load_from_state_dict is not nn.Module._load_from_state_dict
                 or cls._save_to_state_dict is not nn.Module._save_to_state_dict
@@ -365,7 +360,7 @@ def _loads_by_copying(model: nn.Module) -> bool:
                 or cls.set_extra_state is not nn.Module.set_extra_state
             ):
                 return False
-            plain_classes.add(cls)
+            plain_classes.add(id(cls))
         if (
             _OWN_LOADING.intersection(m.__dict__)  # set on the instance: torch calls those
             or not all(type(t) in _PLAIN for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
