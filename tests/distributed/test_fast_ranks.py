@@ -209,13 +209,17 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
     for rank, (value, _) in enumerate(outs):
         assert value["equal"] and value["reader"] == "pieces", value
         assert value["tables"] == [f"__{rank}_0.distcp"], value
+        assert value["lanes"] == ["flat"], value  # planned and read in columns (engine/flatload.py)
     out = [cut_load for _, cut_load in outs]
     assert all(v["equal"] for v in out), out
     assert out[0]["tables"] == ["__0_0.distcp", "__1_0.distcp"] and out[1]["tables"] == ["__1_0.distcp"], out
+    # Rank 0 lacks a whole piece in the cut index: it steps aside to the general planner and reader.
+    assert out[0]["lanes"] == ["general"] and out[1]["lanes"] == ["flat"], out
     # At another world size every table is read (any rank's pieces may be needed).
     out = _ok(run_ranks(3, workers.load_wide_counting_tables, str(saved / "w2" / "step5"), str(saved / "ref2.pt"),
                         out=tmp_path / "o2"))  # fmt: skip
     assert all(v["equal"] and v["tables"] == ["__0_0.distcp", "__1_0.distcp"] for v in out), out
+    assert all(v["lanes"] == ["general"] for v in out), out
     # ...but verify, asked whether the files are as written, names the index (it passed before).
     with pytest.raises(CorruptCheckpointError, match="leaves out the whole piece"):
         Checkpointer().verify(str(path))
@@ -268,6 +272,7 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
         assert len(rank_out) == len(damages), rank_out
         for damage, value in zip(damages, rank_out, strict=True):
             assert value.get("equal") and value["tables"] == ["__0_0.distcp", "__1_0.distcp"], (damage.__name__, value)
+            assert value["lanes"] == ["general"], (damage.__name__, value)
 
 
 def test_verify_refuses_two_tables_for_one_data_file(saved: Path, tmp_path: Path) -> None:

@@ -305,22 +305,34 @@ def slot_order_after_load(rank: int, folder: str) -> bool:
 
 
 def load_wide_counting_tables(rank: int, path: str, reference: str) -> dict[str, Any]:
-    """:func:`load_wide`, and which data files' segment tables this rank read to plan it."""
-    from ckptkeeper.engine import discovery
+    """:func:`load_wide`, which data files' segment tables this rank read to plan it, and which
+    reader read its pieces ("flat": the columnar lane at the saved world size, or "general")."""
+    from ckptkeeper.engine import discovery, loading
 
     read: list[str] = []
+    lanes: list[str] = []
     original = discovery.read_table_doc
+    readers = loading.read_flat, loading.read_pieces
 
     def counting(path: str, record: Any, data_file: str, local: str | None = None) -> Any:
         read.append(data_file)
         return original(path, record, data_file, local)
 
+    def lane(name: str, reader: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            lanes.append(name)
+            return reader(*args, **kwargs)
+
+        return run
+
     discovery.read_table_doc = counting  # type: ignore[assignment]
+    loading.read_flat, loading.read_pieces = lane("flat", readers[0]), lane("general", readers[1])  # type: ignore[assignment]
     try:
         out = load_wide(rank, path, reference)
     finally:
         discovery.read_table_doc = original  # type: ignore[assignment]
-    return {**out, "tables": sorted(set(read))}
+        loading.read_flat, loading.read_pieces = readers  # type: ignore[assignment]
+    return {**out, "tables": sorted(set(read)), "lanes": lanes}
 
 
 def load_wide_counting_tables_each(rank: int, paths: list[str], reference: str) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from . import discovery
 from .agreement import agree, load_error, unwrap
 from .deleter import new_spool
 from .fastio import DATA_FILE, TENSORS_KEY, can_use_fast_path, parse_layout, read_fast, saved_from_table
+from .flatload import FlatIndex, NotPlaced, flat_index, flat_segments, plan_flat, read_flat
 from .loader import CheckpointMismatchError, Rollback, check_unread, read_metadata, read_train_state, saved_tensors
 from .metrics import emit
 from .record import CommitRecord, hash_file
@@ -208,7 +209,7 @@ def _load_verified(
         tables = {} if olmo else discovery.segment_tables(record)
         single = world == 1 and remote is None and record.world_size == 1 and list(tables) == [DATA_FILE]
         metadata: Any = None
-        index: PieceIndex | None = None
+        index: PieceIndex | FlatIndex | None = None
         partial = False  # planned from this rank's own table and the shared index only
         listed = None
         if single:
@@ -284,15 +285,19 @@ def _load_verified(
             except ValueError as exc:
                 raise _corrupt(path, exc) from None
         try:
-            reads = plan_reads(plan.tensors, index, world, path)
-        except CorruptCheckpointError:
+            if isinstance(index, FlatIndex):
+                reads: Any = plan_flat(plan.tensors, index, world)
+                prep["flat"] = reads is not None
+            else:
+                reads = plan_reads(plan.tensors, index, world, path)
+        except (CorruptCheckpointError, NotPlaced):
             if not partial:
                 raise
             # This rank's own table and the shared index do not cover its tensors (a replica of
             # a shard another rank wrote, say): plan from every rank's table, as at another
             # world size (which raises if the checkpoint really lacks them).
             index, plan = from_every_table()
-            prep.update(plan=plan)
+            prep.update(plan=plan, flat=False)
             if not plan.same_dtypes:
                 return "download" if remote is not None else "dcp"
             reads = plan_reads(plan.tensors, index, world, path)
@@ -301,7 +306,7 @@ def _load_verified(
         prep["reads"] = reads
         return "pieces"
 
-    from_index: PieceIndex | None = None
+    from_index: PieceIndex | FlatIndex | None = None
     if not olmo and world > 1 and record.world_size == world and INDEX_FILE in record.files:
         # Whether every rank plans from its own table and the shared index, decided together:
         # each rank checks the index against its own table (the whole pieces in its own file
@@ -375,7 +380,7 @@ def _load_verified(
                 # (4 threads on each of 2 ranks read slower here than 2 each).
                 local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
                 source, threads = LocalSource(os.path.join(local, MODEL_DIR)), max(1, ck.read_threads // local_ranks)
-            reads = prep["reads"]
+            reads, flat = prep["reads"], prep.get("flat", False)
             whole = guard.back_up_whole if guard is not None else None
             # Where any rank has no backup, every rank checks what it will read, in a round of its
             # own before any rank writes: damage only a rank with a backup reads would otherwise
@@ -384,12 +389,14 @@ def _load_verified(
                 unguarded = not D.all_agree(not unguarded, group=pg)
             if unguarded:
                 try:
-                    agree(lambda: check_stored(source, segments_read(reads)), None, pg, load_error)
+                    segments = flat_segments(reads) if flat else segments_read(reads)
+                    agree(lambda: check_stored(source, segments), None, pg, load_error)
                 except BaseException:
                     source.close()  # read_pieces, which closes it, is not reached
                     raise
+            read = read_flat if flat else read_pieces
             agree(
-                lambda: read_pieces(source, reads, ck.verify_checksums, threads, before_write, whole),
+                lambda: read(source, reads, ck.verify_checksums, threads, before_write, whole),
                 None,
                 pg,
                 load_error,
@@ -538,11 +545,13 @@ class _ReadAhead:
 
 def _index_from_own_table(
     path: str, record: CommitRecord, rank: int, world: int, local: str | None
-) -> PieceIndex | None:
+) -> PieceIndex | FlatIndex | None:
     """This rank's pieces and the shared index's whole pieces (see :data:`INDEX_FILE`), for a load
     at the world size the checkpoint was saved at; None where that does not apply (another world
-    size, no shared index, a format-1 table), and the caller reads every rank's table.
-    CorruptCheckpointError when the index and this rank's own table disagree."""
+    size, no shared index, a format-1 table), and the caller reads every rank's table. From a
+    local folder, in columns (:mod:`~ckptkeeper.engine.flatload`: the common resume, planned and
+    read with a few operations per piece). CorruptCheckpointError when the index and this rank's
+    own table disagree."""
     own = shard_name(rank)
     tables = discovery.segment_tables(record)
     rel = tables.get(own)
@@ -552,7 +561,10 @@ def _index_from_own_table(
         sizes = _data_file_sizes(record, tables)
         doc = discovery.read_table_doc(path, record, own, local)
         assert doc is not None  # listed by segment_tables
-        return index_from_own_table(doc[1], own, discovery.read_index_doc(path, record, local), world, sizes)
+        index_doc = discovery.read_index_doc(path, record, local)
+        if local is not None:
+            return flat_index(doc[1], own, index_doc, world, sizes)
+        return index_from_own_table(doc[1], own, index_doc, world, sizes)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise _corrupt(path, exc) from None
 

@@ -456,12 +456,13 @@ def _index_prefix(layouts: tuple[ShardLayout, ...]) -> tuple[bytes, list[tuple[i
     return text[:cut].encode(), order
 
 
-def index_pieces(
+def index_columns(
     doc: Any, world: int, sizes: Mapping[str, int]
-) -> tuple[dict[str, SavedTensor | None], list[tuple[str, Stored]]]:
-    """Every tensor's dtype and shape, and the whole pieces (fqn, piece), of a shared index
-    (decoded JSON; ``sizes``: each data file's size), checked as read. ValueError says what does
-    not fit."""
+) -> tuple[dict[str, SavedTensor | None], list[WholeKind], dict[str, list[Any]]]:
+    """A shared index (decoded JSON) checked up to its whole pieces: every tensor's dtype and
+    shape, each kind of whole piece worked out, and the whole pieces' columns (``names``,
+    ``kind``, ``rank``, ``start``, ``sums``, of equal lengths), each entry still to be checked by
+    the caller as it is read (:func:`check_whole`). ValueError says what does not fit."""
     if not isinstance(doc, dict) or type(doc.get("format")) is not int or doc["format"] != INDEX_FORMAT:
         raise ValueError(f"{INDEX_FILE} is not a format-{INDEX_FORMAT} index")
     if set(doc) != _INDEX_KEYS or doc["world_size"] != world or type(doc["world_size"]) is not int:
@@ -492,35 +493,66 @@ def index_pieces(
         if type(fqn) is not str or type(k) is not int or not 0 <= k < len(facts):
             raise ValueError(f"{INDEX_FILE} has a malformed tensor entry {str(fqn)[:80]!r}")
         saved[fqn] = facts[k]
-    shapes = []
+    shapes: list[WholeKind] = []
+    largest = max(sizes.values(), default=0)
     for info in kinds_of(whole["kinds"]):
         shape = tuple(info.shape)
-        nbytes = math.prod(shape) * cast(torch.dtype, info.dtype).itemsize
-        if nbytes > max(sizes.values(), default=0):
+        dtype = cast(torch.dtype, info.dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > largest:
             raise ValueError(f"{INDEX_FILE} lists a piece larger than any data file")
-        head, tail, head_sum, tail_sum = skeleton_layout(shape, cast(torch.dtype, info.dtype))
-        shapes.append((info, shape, head, nbytes, tail, head_sum, tail_sum))
+        head, tail, head_sum, tail_sum = skeleton_layout(shape, dtype)
+        shapes.append(
+            KindFacts(info, (0,) * len(shape), shape, head, nbytes, tail, head_sum, tail_sum, math.prod(shape))
+        )
+    return saved, shapes, whole
+
+
+def check_whole(
+    saved: Mapping[str, SavedTensor | None],
+    shapes: list[WholeKind],
+    world: int,
+    sizes: Mapping[str, int],
+    fqn: Any,
+    k: Any,
+    rank: Any,
+    start: Any,
+    data_sum: Any,
+) -> tuple[WholeKind, str]:
+    """One whole piece of a shared index checked (its kind, rank, place in its file, and that its
+    tensor has one shape and dtype): (its kind, its data file). ValueError says what does not fit."""
+    if not (type(fqn) is str and type(k) is int and 0 <= k < len(shapes) and type(rank) is int
+            and 0 <= rank < world and type(start) is int and start >= 0 and type(data_sum) is str):  # fmt: skip
+        raise ValueError(f"{INDEX_FILE} has a malformed piece of {str(fqn)[:80]!r}")
+    facts = shapes[k]
+    file = shard_name(rank)
+    if file not in sizes or start + facts.head + facts.nbytes + facts.tail > sizes[file]:
+        raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} outside {MODEL_DIR}/{file}")
+    if saved.get(fqn) != facts.tensor:
+        raise ValueError(f"{INDEX_FILE} gives {fqn[:80]!r} two shapes or dtypes")
+    return facts, file
+
+
+def index_pieces(
+    doc: Any, world: int, sizes: Mapping[str, int]
+) -> tuple[dict[str, SavedTensor | None], list[tuple[str, Stored]]]:
+    """Every tensor's dtype and shape, and the whole pieces (fqn, piece), of a shared index
+    (decoded JSON; ``sizes``: each data file's size), checked as read. ValueError says what does
+    not fit."""
+    saved, shapes, whole = index_columns(doc, world, sizes)
     out: list[tuple[str, Stored]] = []
     new = _new_segment
     for fqn, k, rank, start, data_sum in zip(
         whole["names"], whole["kind"], whole["rank"], whole["start"], whole["sums"], strict=True
     ):
-        if not (type(fqn) is str and type(k) is int and 0 <= k < len(shapes) and type(rank) is int
-                and 0 <= rank < world and type(start) is int and start >= 0 and type(data_sum) is str):  # fmt: skip
-            raise ValueError(f"{INDEX_FILE} has a malformed piece of {str(fqn)[:80]!r}")
-        info, shape, head, nbytes, tail, head_sum, tail_sum = shapes[k]
-        file = shard_name(rank)
-        if file not in sizes or start + head + nbytes + tail > sizes[file]:
-            raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} outside {MODEL_DIR}/{file}")
-        if saved.get(fqn) != info:
-            raise ValueError(f"{INDEX_FILE} gives {fqn[:80]!r} two shapes or dtypes")
-        at = start + head
+        facts, file = check_whole(saved, shapes, world, sizes, fqn, k, rank, start, data_sum)
+        at = start + facts.head
         trio = {
-            "head": new(Segment, ("head", fqn, start, head, head_sum)),
-            "data": new(Segment, ("data", fqn, at, nbytes, data_sum)),
-            "tail": new(Segment, ("tail", fqn, at + nbytes, tail, tail_sum)),
+            "head": new(Segment, ("head", fqn, start, facts.head, facts.head_sum)),
+            "data": new(Segment, ("data", fqn, at, facts.nbytes, data_sum)),
+            "tail": new(Segment, ("tail", fqn, at + facts.nbytes, facts.tail, facts.tail_sum)),
         }
-        out.append((fqn, Stored((0,) * len(shape), shape, file, trio)))
+        out.append((fqn, Stored(facts.offsets, facts.sizes, file, trio)))
     return saved, out
 
 
@@ -621,10 +653,32 @@ _Found = tuple[str, SavedTensor, Stored, int]
 """A piece as read from a segment table: (fqn, its tensor's shape and dtype, the piece, its elements)."""
 
 
-def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
-    """The pieces a format-2 segment table (decoded JSON) places in ``data_file`` (``file_size``
-    bytes), checked as they are read: well-formed columns, each kind a valid piece of a valid
-    tensor, the pieces' blobs tiling the file exactly. ValueError says what does not fit."""
+class KindFacts(NamedTuple):
+    """What a segment table's (or the shared index's) kind of piece fixes for every piece of that kind."""
+
+    tensor: SavedTensor
+    """The whole tensor's global shape and dtype."""
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    head: int
+    """Bytes of the piece's ``torch.save`` header, before its data."""
+    nbytes: int
+    tail: int
+    head_sum: str
+    tail_sum: str
+    volume: int
+    """Elements in the piece."""
+
+
+WholeKind = KindFacts
+"""A kind of whole piece of the shared index (offsets all zero, sizes the tensor's shape)."""
+
+
+def table_columns(doc: Any, data_file: str, file_size: int) -> tuple[list[Any], list[Any], list[Any], list[KindFacts]]:
+    """A format-2 segment table (decoded JSON) of ``data_file`` (``file_size`` bytes) checked up
+    to its pieces: (names, kind, sums) columns of equal lengths and no name twice, and each kind
+    worked out. Each piece's entries are still to be checked by the caller as it reads them,
+    and that the pieces tile the file. ValueError says what does not fit."""
     if not isinstance(doc, dict) or type(doc.get("format")) is not int or doc["format"] != TABLE_FORMAT:
         version = doc.get("format") if isinstance(doc, dict) else None
         if type(version) is int and version > TABLE_FORMAT:
@@ -651,7 +705,25 @@ def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
         if nbytes > file_size:
             raise ValueError(f"the segment table of {data_file} lists a piece larger than the file")
         head, tail, head_sum, tail_sum = skeleton_layout(sizes, cast(torch.dtype, whole.dtype))
-        facts.append((whole, offsets, sizes, head, nbytes, tail, head_sum, tail_sum, math.prod(sizes)))
+        facts.append(KindFacts(whole, offsets, sizes, head, nbytes, tail, head_sum, tail_sum, math.prod(sizes)))
+    return names, kind, sums, facts
+
+
+def bad_table_piece(data_file: str, fqn: Any) -> ValueError:
+    """The error for a malformed piece entry of ``data_file``'s segment table."""
+    return ValueError(f"the segment table of {data_file} has a malformed piece of {str(fqn)[:80]!r}")
+
+
+def table_short(data_file: str, pos: int, file_size: int) -> ValueError:
+    """The error for a segment table whose pieces do not tile their data file."""
+    return ValueError(f"the segment table of {data_file} covers {pos} bytes, the data file has {file_size}")
+
+
+def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
+    """The pieces a format-2 segment table (decoded JSON) places in ``data_file`` (``file_size``
+    bytes), checked as they are read: well-formed columns, each kind a valid piece of a valid
+    tensor, the pieces' blobs tiling the file exactly. ValueError says what does not fit."""
+    names, kind, sums, facts = table_columns(doc, data_file, file_size)
     file = data_file
     count = len(facts)
     new = _new_segment
@@ -660,7 +732,7 @@ def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
     # One pass of plain operations per piece: a rank's table lists every piece it wrote.
     for fqn, k, data_sum in zip(names, kind, sums, strict=True):
         if type(k) is not int or not 0 <= k < count or type(fqn) is not str or type(data_sum) is not str:
-            raise ValueError(f"the segment table of {data_file} has a malformed piece of {str(fqn)[:80]!r}")
+            raise bad_table_piece(data_file, fqn)
         whole, offsets, sizes, head, nbytes, tail, head_sum, tail_sum, volume = facts[k]
         at = pos + head
         end = at + nbytes
@@ -672,7 +744,7 @@ def table_pieces(doc: Any, data_file: str, file_size: int) -> list[_Found]:
         pos = end + tail
         out.append((fqn, whole, Stored(offsets, sizes, file, trio), volume))
     if pos != file_size:
-        raise ValueError(f"the segment table of {data_file} covers {pos} bytes, the data file has {file_size}")
+        raise table_short(data_file, pos, file_size)
     return out
 
 

@@ -1,0 +1,284 @@
+"""Multi-rank loads at the world size a checkpoint was saved at, planned and read from columns.
+
+The common resume: every rank of the saving job loads again, with the same sharding, from a
+local or shared filesystem. Each destination tensor is then exactly one stored piece: the rank's
+own shard in its own data file, or a whole (replicated) piece that one rank wrote. The general
+reader (:func:`~ckptkeeper.engine.sharded.plan_reads` and
+:func:`~ckptkeeper.engine.sharded.read_pieces`, any world size, any overlap) builds three
+``Segment`` objects, a ``Stored``, a list and a ``_Read`` per piece and looks at each several
+times; at 10,000 tensors per rank that planning cost more than reading the bytes. Here a piece is
+one tuple (file, start, kind, data checksum) taken straight from the rank's segment table and
+the shared index, a destination is matched to it with one comparison, and runs of neighbouring
+pieces are read, checked and copied with a few operations per piece.
+
+It checks what the general path checks (the same table and index validation, the shared index's
+whole pieces in this rank's own file against its own table, every head, data and tail checksum
+before a byte is used, the same backups before writes) and it takes nothing the general path
+would refuse: a destination it cannot place exactly (another sharding, a replica of a shard
+another rank wrote) makes it step aside (:class:`NotPlaced`), and the caller plans that load the
+general way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+import xxhash
+
+from .fastio import (
+    _SMALL_PIECE,
+    Segment,
+    _borrowed_view,
+    _leaves,
+    _new_segment,
+    fetch_and_place,
+    segment_mismatch,
+)
+from .sharded import (
+    _JOB_RUNS,
+    _RUN_BYTES,
+    INDEX_FILE,
+    KindFacts,
+    Source,
+    _region,
+    _usable,
+    bad_table_piece,
+    check_whole,
+    index_columns,
+    table_columns,
+    table_short,
+)
+from .state import SavedTensor
+
+__all__ = ["FlatIndex", "FlatRead", "NotPlaced", "flat_index", "flat_segments", "plan_flat", "read_flat"]
+
+Spot = tuple[str, int, KindFacts, str]
+"""Where one stored piece is: (data file, where its header starts there, its kind, its data's xxh3)."""
+
+
+class FlatIndex(NamedTuple):
+    """What a rank loading at the saved world size plans from: every tensor's shape and dtype
+    (``saved``, from the shared index) and, by name, the one piece it reads for each tensor."""
+
+    saved: dict[str, SavedTensor | None]
+    spots: dict[str, Spot]
+
+
+class FlatRead(NamedTuple):
+    """One destination read whole from one piece (ordered by file and place: the read order)."""
+
+    file: str
+    start: int
+    order: int
+    """The destination's place in the plan: ties in (file, start) never compare tensors."""
+    kind: KindFacts
+    data_sum: str
+    fqn: str
+    dest: torch.Tensor
+    """The destination's local data (contiguous, on the CPU)."""
+
+
+class NotPlaced(Exception):
+    """A destination is not exactly one piece this index knows: plan the load the general way."""
+
+
+def flat_index(own_doc: Any, own_file: str, index_doc: Any, world: int, sizes: Mapping[str, int]) -> FlatIndex:
+    """The pieces of this rank's own data file (its format-2 table, ``own_doc``) and the shared
+    index's whole pieces, checked as :func:`~ckptkeeper.engine.sharded.index_from_own_table`
+    checks them; ValueError when the table, the index or the two together say something
+    impossible."""
+    saved, shapes, whole = index_columns(index_doc, world, sizes)
+    names, kinds, sums, facts = table_columns(own_doc, own_file, sizes[own_file])
+    spots: dict[str, Spot] = {}
+    count = len(facts)
+    pos = 0
+    for fqn, k, data_sum in zip(names, kinds, sums, strict=True):
+        if type(k) is not int or not 0 <= k < count or type(fqn) is not str or type(data_sum) is not str:
+            raise bad_table_piece(own_file, fqn)
+        kind = facts[k]
+        if saved.get(fqn) != kind.tensor:
+            raise ValueError(f"the segment table of {own_file} and {INDEX_FILE} disagree about {fqn[:80]!r}")
+        spots[fqn] = (own_file, pos, kind, data_sum)
+        pos += kind.head + kind.nbytes + kind.tail
+    if pos != sizes[own_file]:
+        raise table_short(own_file, pos, sizes[own_file])
+    for fqn, k, rank, start, data_sum in zip(
+        whole["names"], whole["kind"], whole["rank"], whole["start"], whole["sums"], strict=True
+    ):
+        kind, file = check_whole(saved, shapes, world, sizes, fqn, k, rank, start, data_sum)
+        if file == own_file:
+            # Checked against this rank's own table, as the general index does (each file's whole
+            # pieces by the rank that owns it; the ranks agree before any plans from the index).
+            own = spots.get(fqn)
+            if own is None or (own[1], own[2].offsets, own[2].sizes, own[3]) != (start, *kind[1:3], data_sum):
+                raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} where the segment table of {own_file} does not")
+        elif fqn not in spots:  # this rank's own file holds it already otherwise
+            spots[fqn] = (file, start, kind, data_sum)
+    return FlatIndex(saved, spots)
+
+
+def plan_flat(tensors: Mapping[str, Any], index: FlatIndex, world: int) -> list[FlatRead] | None:
+    """The reads of every destination in ``tensors``, one piece each, in read order; None when a
+    destination is one no fast reader takes (the caller uses DCP's reader, as the general planner
+    would). :class:`NotPlaced` when a destination is not exactly one piece of ``index``."""
+    reads: list[FlatRead] = []
+    saved, spots = index.saved, index.spots
+    for order, (fqn, _, value) in enumerate(_leaves(tensors)):
+        region = _region(value, world)
+        if region is None:
+            return None
+        local, offsets, _ = region  # the global shape was checked by plan_load
+        info = saved.get(fqn)
+        if info is None or info.dtype != local.dtype or not _usable(local) or not local.is_contiguous():
+            return None
+        if local.numel() == 0:
+            continue
+        spot = spots.get(fqn)
+        if spot is None or spot[2].offsets != offsets or spot[2].sizes != tuple(local.shape):
+            raise NotPlaced(fqn)
+        reads.append(FlatRead(spot[0], spot[1], order, spot[2], spot[3], fqn, local))
+    reads.sort()
+    return reads
+
+
+def flat_segments(reads: list[FlatRead]) -> dict[str, list[Segment]]:
+    """The segments ``reads`` will read, by data file (what :func:`~ckptkeeper.engine.sharded.check_stored` takes)."""
+    out: dict[str, list[Segment]] = {}
+    new = _new_segment
+    for r in reads:
+        k = r.kind
+        at = r.start + k.head
+        out.setdefault(r.file, []).extend(
+            (
+                new(Segment, ("head", r.fqn, r.start, k.head, k.head_sum)),
+                new(Segment, ("data", r.fqn, at, k.nbytes, r.data_sum)),
+                new(Segment, ("tail", r.fqn, at + k.nbytes, k.tail, k.tail_sum)),
+            )
+        )
+    return out
+
+
+def _check(where: str, run: list[FlatRead], got: list[str]) -> None:
+    # Only on a mismatch: which segment of which piece it is.
+    for i, r in enumerate(run):
+        for j, (kind, want) in enumerate((("head", r.kind.head_sum), ("data", r.data_sum), ("tail", r.kind.tail_sum))):
+            if got[3 * i + j] != want:
+                raise segment_mismatch(f"{where}/{r.file}", r.fqn, kind, got[3 * i + j], want)
+
+
+def read_flat(
+    source: Source,
+    reads: list[FlatRead],
+    verify: bool = True,
+    threads: int = 2,
+    before_write: Callable[[str, int, int], None] | None = None,
+    back_up_whole: Callable[[list[str]], None] | None = None,
+) -> None:
+    """Read every planned piece into its destination, each segment checked before its bytes are
+    used (with ``verify``), as :func:`~ckptkeeper.engine.sharded.read_pieces` does: pieces of a
+    megabyte or more straight into their tensors on ``threads`` readers; runs of smaller
+    neighbours into a reused buffer, checked in one call per job and copied. ``before_write`` /
+    ``back_up_whole`` are the loader's backups, called before a destination is written."""
+    large = sorted((r for r in reads if r.kind.nbytes >= _SMALL_PIECE), key=lambda r: -r.kind.nbytes)
+    where = source.where
+
+    def direct(r: FlatRead) -> None:
+        k = r.kind
+        for at, length, want, name in ((r.start, k.head, k.head_sum, "head"),
+                                       (r.start + k.head + k.nbytes, k.tail, k.tail_sum, "tail")):  # fmt: skip
+            view = memoryview(bytearray(length))
+            source.read_into(r.file, at, view)
+            if verify and (got := xxhash.xxh3_64_hexdigest(view)) != want:
+                raise segment_mismatch(f"{where}/{r.file}", r.fqn, name, got, want)
+        if before_write is not None:
+            before_write(r.fqn, 0, k.nbytes)
+        view = _borrowed_view(r.dest)  # r.dest (held by the plan) outlives the view
+        source.read_into(r.file, r.start + k.head, view)
+        if verify and (got := xxhash.xxh3_64_hexdigest(view)) != r.data_sum:
+            raise segment_mismatch(f"{where}/{r.file}", r.fqn, "data", got, r.data_sum)
+
+    # Jobs: runs of neighbours (one read each), several runs of one file per job up to a buffer's
+    # size (a job and a checksum call per run cost more than a small run's read).
+    jobs: list[tuple[list[tuple[str, int, int]], list[FlatRead]]] = []
+    runs: list[tuple[str, int, int]] = []
+    members: list[FlatRead] = []
+    job_bytes = 0
+    for r in reads:
+        k = r.kind
+        if k.nbytes >= _SMALL_PIECE:
+            continue
+        end = r.start + k.head + k.nbytes + k.tail
+        if runs and runs[-1][0] == r.file and runs[-1][2] == r.start and end - runs[-1][1] <= _RUN_BYTES:
+            file, first, last = runs[-1]
+            job_bytes += end - last
+            runs[-1] = (file, first, end)
+        elif runs and runs[0][0] == r.file and job_bytes + end - r.start <= _RUN_BYTES and len(runs) < _JOB_RUNS:
+            runs.append((r.file, r.start, end))
+            job_bytes += end - r.start
+        else:
+            if runs:
+                jobs.append((runs, members))
+            runs, members, job_bytes = [(r.file, r.start, end)], [], end - r.start
+        members.append(r)
+    if runs:
+        jobs.append((runs, members))
+
+    spare: list[bytearray] = []  # buffers of placed jobs, reused by the next fetches
+    lock = threading.Lock()
+
+    def fetch(job: tuple[list[tuple[str, int, int]], list[FlatRead]]) -> memoryview:
+        need = sum(end - start for _, start, end in job[0])
+        with lock:
+            block = spare.pop() if spare and len(spare[-1]) >= need else None
+        if block is None:
+            block = bytearray(_RUN_BYTES if _RUN_BYTES // 2 <= need <= _RUN_BYTES else need)
+        whole = memoryview(block)
+        at = 0
+        for file, start, end in job[0]:
+            source.read_into(file, start, whole[at : at + end - start])
+            at += end - start
+        return whole
+
+    def place(job: tuple[list[tuple[str, int, int]], list[FlatRead]], whole: memoryview) -> None:
+        runs, members = job
+        views: list[memoryview] = []
+        want: list[str] = []
+        at, i = 0, 0
+        for _, start, end in runs:
+            pos = start
+            while pos < end:
+                r = members[i]
+                k = r.kind
+                h = at + pos - start
+                views += (whole[h : h + k.head], whole[h + k.head : h + k.head + k.nbytes],
+                          whole[h + k.head + k.nbytes : h + k.head + k.nbytes + k.tail])  # fmt: skip
+                want += (k.head_sum, r.data_sum, k.tail_sum)
+                pos += k.head + k.nbytes + k.tail
+                i += 1
+            at += end - start
+        if verify:
+            got = list(map(xxhash.xxh3_64_hexdigest, views))
+            if got != want:
+                _check(where, members, got)
+        if back_up_whole is not None:
+            back_up_whole([r.fqn for r in members])
+        elif before_write is not None:
+            for r in members:
+                before_write(r.fqn, 0, r.kind.nbytes)
+        for r, piece in zip(members, views[1::3], strict=True):
+            _borrowed_view(r.dest)[:] = piece  # a plain memory copy; r.dest outlives the view
+        block = whole.obj
+        if isinstance(block, bytearray) and len(block) == _RUN_BYTES:
+            with lock:
+                spare.append(block)
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:
+            futures = [pool.submit(direct, r) for r in large]
+            fetch_and_place(pool, futures, jobs, fetch, place, ahead=max(2, threads))
+    finally:
+        source.close()
