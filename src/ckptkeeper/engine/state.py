@@ -504,15 +504,19 @@ def _set_optimizer_state(
                 # the optimizer's own state_dict, as DCP does): the next save then has the layout
                 # the last one had, and reuses its metadata instead of rebuilding it.
                 slots = {k: slots[k] for k in [*(k for k in now if k in slots), *(k for k in slots if k not in now)]}
+            # The parameter's facts once, and the CPU compared by flag: each ``.device`` makes an
+            # object, and this runs for every slot of every parameter.
+            p_dtype, p_float, p_cpu = p.dtype, p.is_floating_point(), p.is_cpu
             for key, v in slots.items():
                 if isinstance(v, torch.Tensor):
+                    elsewhere = not v.is_cpu if p_cpu else v.device != p.device
                     if key == "step":
-                        if float_step and (v.dtype != torch.float32 or v.device != p.device):
+                        if float_step and (v.dtype != torch.float32 or elsewhere):
                             v = v.to(dtype=torch.float32, device=p.device)
-                    elif p.is_floating_point():
-                        if v.dtype != p.dtype or v.device != p.device:
-                            v = v.to(dtype=p.dtype, device=p.device)
-                    elif v.device != p.device:
+                    elif p_float:
+                        if v.dtype != p_dtype or elsewhere:
+                            v = v.to(dtype=p_dtype, device=p.device)
+                    elif elsewhere:
                         v = v.to(device=p.device)
                 out[key] = v
             new_state[p] = out
@@ -976,12 +980,22 @@ class TrainingState:
                 continue
             node = json_state.get(fqn, {})
             sub: dict[str, Any] = {}
+            # A DTensor's shard and spec, looked up once per parameter (each look is a Python call).
+            like = (p._local_tensor, p._spec, p.dtype) if isinstance(p, DTensor) else None
             for rest, info in slots.items():
                 dtype = info.dtype or torch.float32
                 # With the parameter's shape: its device and sharding (a DTensor); otherwise a plain
                 # tensor that load_state_dict moves where it belongs.
-                t = _empty_like(p, dtype) if shape and info.shape == shape else torch.empty(info.shape, dtype=dtype)
-                _put(sub, _split_rest(node, rest), t)
+                if not (shape and info.shape == shape):
+                    t = torch.empty(info.shape, dtype=dtype)
+                elif like is not None and like[2] == dtype:
+                    t = _dtensor(torch.empty_like(like[0]), like[1])  # what _empty_like makes, without its checks
+                else:
+                    t = _empty_like(p, dtype)
+                if "." in rest:
+                    _put(sub, _split_rest(node, rest), t)
+                else:
+                    sub[rest] = t  # an optimizer slot's usual name: nothing to follow (see _split_rest)
             state_t[fqn], state_m[fqn] = sub, node
         return {"tensors": state_t, "json": state_m, "names": names, "groups": saved_groups, "pairs": pairs}
 
