@@ -128,16 +128,30 @@ def test_every_forged_table_or_index_is_refused_by_both_or_by_neither(tmp_path: 
     tables, index, sizes = _write(tmp_path)
     rng = random.Random(11)
     checked = {"refused": 0, "taken": 0}
-    for trial in range(1500):
+    for trial in range(2500):
         rank = trial % 2
         own = shard_name(rank)
         table, idx = copy.deepcopy(tables[own]), copy.deepcopy(index)
-        doc = table if rng.random() < 0.5 else idx
-        path = rng.choice(_paths(doc)[1:])
+        if trial % 5 == 4:
+            # A whole row repeated (every column), one of its values then changed below: rows
+            # of one name that disagree (an outside attack found the file went unchecked).
+            w = idx["whole"]
+            k = rng.randrange(len(w["names"]))
+            for col in ("names", "kind", "rank", "start", "sums"):
+                w[col].insert(rng.randrange(len(w[col]) + 1) if col == "names" else len(w[col]), w[col][k])
+            # (only "names" lands elsewhere when the others go last: rows then pair up anew)
+            doc: Any = idx
+            path = ("whole", rng.choice(["kind", "rank", "start", "sums"]), len(w["names"]) - 1)
+            _set(doc, path, copy.deepcopy(rng.choice([*_ODD_VALUES, *w[path[1]]])))
+        else:
+            doc = table if rng.random() < 0.5 else idx
+            path = rng.choice(_paths(doc)[1:])
         parent: Any = doc
         for key in path[:-1]:
             parent = parent[key]
-        if isinstance(parent, list) and rng.random() < 0.3:
+        if trial % 5 == 4:
+            pass
+        elif isinstance(parent, list) and rng.random() < 0.3:
             if rng.random() < 0.5:
                 parent.pop(path[-1])
             else:
@@ -178,6 +192,18 @@ def test_the_shared_index_must_agree_with_the_own_table_about_whole_pieces(tmp_p
         flat_index(tables[shard_name(0)], shard_name(0), redirected, 2, sizes)
     # Rank 1 cannot tell (rank 0's file is checked by rank 0; the loader has the ranks agree).
     flat_index(tables[shard_name(1)], shard_name(1), redirected, 2, sizes)
+    # A whole row repeated with another rank: rank 1's s1 said to be in rank 0's file too, at a
+    # place rank 0's table gives another tensor. Rank 0 must refuse it even though the first row
+    # (in rank 1's file) placed s1 already (found by an outside attack: the file went unchecked).
+    twice = copy.deepcopy(index)
+    k = twice["whole"]["names"].index("s1")
+    for col in ("names", "kind", "rank", "start", "sums"):
+        twice["whole"][col].append(twice["whole"][col][k])
+    twice["whole"]["rank"][-1] = 0
+    twice["whole"]["start"][-1] = index["whole"]["start"][i]
+    for index_of in (index_from_own_table, flat_index):
+        with pytest.raises(ValueError, match="where the segment table"):
+            index_of(tables[shard_name(0)], shard_name(0), twice, 2, sizes)
 
 
 def _reads(tmp_path: Path, rank: int) -> tuple[list[FlatRead], dict[str, torch.Tensor]]:

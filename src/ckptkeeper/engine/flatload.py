@@ -115,8 +115,13 @@ def flat_index(own_doc: Any, own_file: str, index_doc: Any, world: int, sizes: M
         if file == own_file:
             # Checked against this rank's own table, as the general index does (each file's whole
             # pieces by the rank that owns it; the ranks agree before any plans from the index).
-            own = spots.get(fqn)
-            if own is None or (own[1], own[2].offsets, own[2].sizes, own[3]) != (start, *kind[1:3], data_sum):
+            own = spots.get(fqn)  # may be an earlier index row's, in another file: compared too
+            if own is None or (own[0], own[1], own[2].offsets, own[2].sizes, own[3]) != (
+                own_file,
+                start,
+                *kind[1:3],
+                data_sum,
+            ):
                 raise ValueError(f"{INDEX_FILE} places {fqn[:80]!r} where the segment table of {own_file} does not")
         elif fqn not in spots:  # this rank's own file holds it already otherwise
             spots[fqn] = (file, start, kind, data_sum)
