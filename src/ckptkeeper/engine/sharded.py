@@ -247,41 +247,60 @@ def local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[P
 
 
 def _local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[Piece], str] | None:
-    regions = []
     leaves = _leaves(tree)
     check_names(leaves)
+    # One pass over the leaves (a save of 10,000 tensors spent a fifth of its time in this
+    # function's loops): DTensor pieces are made here, replicated plain tensors once their writers
+    # are known.
+    pieces: list[Piece | None] = []
+    plain: list[tuple[int, str, tuple[str, ...], torch.Tensor, tuple[int, ...], tuple[int, ...], int]] = []
+    writers = _SPEC_WRITERS
     for fqn, path, value in leaves:
         region = _region(value, world)
         if region is None or not _usable(region[0]):
             return None
-        regions.append((fqn, path, value, region))
-    plain = sorted(
-        ((fqn, local.numel() * local.element_size()) for fqn, _, value, (local, _, _) in regions
-         if not isinstance(value, DTensor)),
-        key=lambda x: (-x[1], x[0]),
-    )  # fmt: skip
+        local, offsets, shape = region
+        if isinstance(value, DTensor):
+            numel = local.numel()
+            total = math.prod(shape)
+            if numel == 0 and total != 0:
+                continue  # an empty shard (more ranks than rows): the other ranks hold every element
+            if total == 0:
+                local, offsets, writer = torch.empty(shape, dtype=local.dtype), (0,) * len(shape), rank == 0
+            else:
+                # Without a Replicate placement the writer depends on the spec alone (each rank
+                # writes its own shard): asked once per spec, not once per tensor.
+                spec = value._spec
+                known = writers.get(spec)
+                if known is not None:
+                    writer = known
+                else:
+                    if len(writers) > 4096:
+                        writers.clear()
+                    writer = _dtensor_writer(value, fqn)
+                    if not any(isinstance(p, Replicate) for p in value.placements):
+                        writers[spec] = writer
+            pieces.append(Piece(fqn, path, local, offsets, shape, writer))
+        else:
+            plain.append((len(pieces), fqn, path, local, offsets, shape, local.numel() * local.element_size()))
+            pieces.append(None)  # its place, filled below
     # Largest first onto the least-loaded rank: each rank writes about the same share.
     loads = [(0, r) for r in range(world)]
     owners: dict[str, int] = {}
-    for fqn, nbytes in plain:
+    for _, fqn, _, _, _, _, nbytes in sorted(plain, key=lambda x: (-x[6], x[1])):
         load, r = heapq.heappop(loads)
         owners[fqn] = r
         heapq.heappush(loads, (load + max(nbytes, 1), r))
+    for at, fqn, path, local, offsets, shape, _ in plain:
+        pieces[at] = Piece(fqn, path, local, offsets, shape, owners[fqn] == rank)
+    # The replicated tensors' writers are chosen from this list: every rank must have the same.
     signature = hashlib.sha256(
-        json.dumps([(f, list(v.shape), str(v.dtype)) for f, _, v, _ in regions if not isinstance(v, DTensor)]).encode()
+        json.dumps([(fqn, list(local.shape), str(local.dtype)) for _, fqn, _, local, _, _, _ in plain]).encode()
     ).hexdigest()
-    pieces = []
-    for fqn, path, value, (local, offsets, shape) in regions:
-        if isinstance(value, DTensor):
-            if local.numel() == 0 and math.prod(shape) != 0:
-                continue  # an empty shard (more ranks than rows): the other ranks hold every element
-            writer = _dtensor_writer(value, fqn)
-            if math.prod(shape) == 0:
-                local, offsets, writer = torch.empty(shape, dtype=local.dtype), (0,) * len(shape), rank == 0
-        else:
-            writer = owners[fqn] == rank
-        pieces.append(Piece(fqn, path, local, offsets, shape, writer))
-    return pieces, signature
+    return [p for p in pieces if p is not None], signature
+
+
+_SPEC_WRITERS: dict[Any, bool] = {}
 
 
 class ShardLayout(NamedTuple):
