@@ -259,6 +259,52 @@ def test_non_tensor_optimizer_state_round_trips_with_its_types(tmp_path: Path) -
     _resume_matches(tmp_path / "two", make, _plain_step, before=3, after=3)
 
 
+class _Nested(torch.optim.Optimizer):
+    """SGD whose per-parameter state nests a dict of tensors and names a slot with a dot."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                s = self.state[p]
+                if not s:
+                    s.update(moments={"m": torch.zeros_like(p), "v": torch.zeros_like(p)})
+                    s["ema.norm"] = torch.zeros(())
+                s["moments"]["m"].mul_(0.9).add_(p.grad)
+                s["moments"]["v"].mul_(0.99).add_(p.grad * p.grad)
+                s["ema.norm"].mul_(0.9).add_(0.1 * p.grad.norm())
+                p.add_(s["moments"]["m"] / (s["moments"]["v"].sqrt() + 1e-8), alpha=-group["lr"])
+
+
+def test_nested_and_dotted_optimizer_slots_are_found_under_their_parameter(tmp_path: Path) -> None:
+    # Slot keys are split from the parameter's name by the longest name the model has: a slot
+    # with a dot ("ema.norm") or below a dict ("moments.m") belongs to the parameter.
+    def make() -> TrainingState:
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        return TrainingState(model, _Nested(model.parameters()))
+
+    torch.manual_seed(0)
+    src = make()
+    for i in range(3):
+        _plain_step(src, i)
+    Checkpointer().save(str(tmp_path / "one"), 3, src)
+    dst = make()
+    Checkpointer().load(str(tmp_path / "one" / "step3"), dst)
+    assert src.optimizer is not None and dst.optimizer is not None
+    for p_src, p_dst in zip(src.model.parameters(), dst.model.parameters(), strict=True):
+        a, b = src.optimizer.state[p_src], dst.optimizer.state[p_dst]
+        assert set(a) == set(b) == {"moments", "ema.norm"}
+        assert set(b["moments"]) == {"m", "v"}
+        assert all(torch.equal(a["moments"][k], b["moments"][k]) for k in ("m", "v"))
+        assert torch.equal(a["ema.norm"], b["ema.norm"])
+    _resume_matches(tmp_path / "two", make, _plain_step, before=3, after=3)
+
+
 # ---------------------------------------------------------------------- item 4: what does not fit
 
 

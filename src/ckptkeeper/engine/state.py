@@ -923,14 +923,17 @@ class TrainingState:
                 raise CorruptCheckpointError(f"{where}: state_meta.optim is malformed")
             saved_groups = raw
         by_fqn: dict[str, dict[str, SavedTensor]] = {}
-        for key in saved:
+        for key, info in saved.items():
             if key.startswith("optim.state."):
-                rest = key[len("optim.state.") :]
-                fqn = _owner(rest, own)
+                rest = key[12:]  # len("optim.state.")
+                # The usual key is a parameter's name and a slot without dots: the longest owner,
+                # which _owner would try first, is tried here without the call.
+                cut = rest.rfind(".")
+                fqn = rest[:cut] if cut > 0 and rest[:cut] in own else _owner(rest, own)
                 if fqn is None:
                     fit.unexpected.append(key)
                 else:
-                    by_fqn.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = fit.info(key)
+                    by_fqn.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = fit.info(key) if info is None else info
         listed = tuple(fit.unexpected)
         fit.unexpected += [
             f"optim.state.{fqn}"
