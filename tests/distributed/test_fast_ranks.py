@@ -480,3 +480,10 @@ def test_tied_weights_load_and_are_checked_on_the_bytes_read_at_two_ranks(tmp_pa
         assert all(value["later"]), value
         assert value["damaged"], "no tied pair had both copies in one file"
         assert f"{value['damaged']} (data)" in value["error"] and value["unchanged"], value
+
+
+def test_parameters_that_are_lazy_conjugates_or_negations_load_their_values(tmp_path: Path) -> None:
+    # Found by an outside attack: the multi-rank readers copied raw bytes into a parameter whose
+    # memory holds the conjugated (or negated) values, so it read back conjugated, silently.
+    for value in _ok(run_ranks(2, workers.load_into_lazy_views, str(tmp_path / "c"), out=tmp_path / "o")):
+        assert value == {"c": True, "n": True, "still_lazy": True}, value

@@ -455,3 +455,28 @@ def load_tied_weights(rank: int, folder: str) -> dict[str, Any]:
     except CorruptCheckpointError as exc:
         error = str(exc)
     return {"later": later, "damaged": box[0], "error": error, "unchanged": state_digest(victim) == before}
+
+
+def _lazy_views(seed: int, lazy: bool) -> nn.Module:
+    """Plain (replicated) parameters that are, with ``lazy``, a lazy conjugate and a lazy negation
+    (their memory holds the other values)."""
+    g = torch.Generator().manual_seed(seed)
+    m = nn.Module()
+    x = torch.randn(4, dtype=torch.cfloat, generator=g)
+    m.c = nn.Parameter(x.conj() if lazy else x)
+    y = torch.randn(6, generator=g)
+    m.n = nn.Parameter(torch._neg_view(y) if lazy else y)
+    return m
+
+
+def load_into_lazy_views(rank: int, folder: str) -> dict[str, Any]:
+    """Save plain parameters at the saved world size and load them into lazy conj/neg views: the
+    values each parameter then reads as, against the saved ones."""
+    src = _lazy_views(0, lazy=False)
+    Checkpointer().save(folder, 1, TrainingState(src))
+    dst = _lazy_views(1, lazy=True)
+    Checkpointer().load(f"{folder}/step1", TrainingState(dst))
+    return {
+        name: torch.equal(getattr(dst, name).detach().resolve_conj().resolve_neg(), getattr(src, name).detach())
+        for name in ("c", "n")
+    } | {"still_lazy": bool(dst.c.is_conj() and dst.n.is_neg())}

@@ -24,6 +24,7 @@ from ckptkeeper.engine.sharded import (
     check_stored,
     index_bytes,
     index_from_own_table,
+    plan_reads,
     shard_name,
     table_name,
     write_shard,
@@ -289,6 +290,12 @@ def test_destinations_that_are_not_exactly_one_piece_step_aside(tmp_path: Path) 
     assert plan_flat({"nope": torch.zeros(2)}, flat, 2) is None
     assert plan_flat({"s0": torch.zeros((), dtype=torch.float64)}, flat, 2) is None
     assert plan_flat({"b": torch.zeros(4, 2, dtype=torch.int64).t()}, flat, 2) is None
+    # A lazy conjugate or negation holds the other values in its memory: DCP's reader copies
+    # through the view, raw bytes would not (neither planner takes it).
+    general = index_from_own_table(tables[shard_name(0)], shard_name(0), index, 2, sizes)
+    neg = torch._neg_view(torch.zeros(()))
+    assert plan_flat({"s0": neg}, flat, 2) is None and plan_reads({"s0": neg}, general, 2, "test") is None
+    assert plan_flat({"s0": torch.zeros(())}, flat, 2) is not None
     # Empty destinations read nothing.
     assert (
         plan_flat({"e": torch.zeros(0)}, flat._replace(saved={**flat.saved, "e": SavedTensor((0,), torch.float32)}), 2)

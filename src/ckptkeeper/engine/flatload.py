@@ -142,6 +142,10 @@ def plan_flat(tensors: Mapping[str, Any], index: FlatIndex, world: int) -> list[
         info = saved.get(fqn)
         if info is None or info.dtype != local.dtype or not _usable(local) or not local.is_contiguous():
             return None
+        if local.is_conj() or local.is_neg():
+            # Its memory holds the conjugated or negated values: raw bytes copied there would load
+            # them wrong (found by an outside attack). DCP's reader copies through the view.
+            return None
         if local.numel() == 0:
             continue
         spot = spots.get(fqn)

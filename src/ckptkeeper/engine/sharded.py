@@ -1082,8 +1082,8 @@ def plan_reads(tensors: Mapping[str, Any], index: PieceIndex, world: int, where:
         info = index.saved.get(fqn)
         if info is None or info.dtype != local.dtype:
             return None
-        if not _usable(local) or not local.is_contiguous():
-            return None
+        if not _usable(local) or not local.is_contiguous() or local.is_conj() or local.is_neg():
+            return None  # (a lazy conjugate or negation holds the other values: DCP's reader copies right)
         if local.numel() == 0:
             continue
         found: list[_Read] = []
