@@ -237,10 +237,13 @@ class _Tally(torch.optim.Optimizer):
                 p.add_(s["buf"], alpha=-group["lr"] / s["count"])
 
 
-def test_non_tensor_optimizer_state_round_trips_with_its_types(tmp_path: Path) -> None:
+def _optimizer_round_trip(tmp_path: Path, optimizer: type[torch.optim.Optimizer]) -> list[tuple[Any, Any]]:
+    """Three steps with ``optimizer``, a save and a load into fresh objects: each parameter's
+    (saved, loaded) optimizer state. Also checks that a resumed run continues exactly."""
+
     def make() -> TrainingState:
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-        return TrainingState(model, _Tally(model.parameters()))
+        return TrainingState(model, optimizer(model.parameters()))
 
     torch.manual_seed(0)
     src = make()
@@ -250,13 +253,20 @@ def test_non_tensor_optimizer_state_round_trips_with_its_types(tmp_path: Path) -
     dst = make()
     Checkpointer().load(str(tmp_path / "one" / "step3"), dst)
     assert src.optimizer is not None and dst.optimizer is not None
-    for p_src, p_dst in zip(src.model.parameters(), dst.model.parameters(), strict=True):
-        a, b = src.optimizer.state[p_src], dst.optimizer.state[p_dst]
+    pairs = [
+        (src.optimizer.state[p_src], dst.optimizer.state[p_dst])
+        for p_src, p_dst in zip(src.model.parameters(), dst.model.parameters(), strict=True)
+    ]
+    _resume_matches(tmp_path / "two", make, _plain_step, before=3, after=3)
+    return pairs
+
+
+def test_non_tensor_optimizer_state_round_trips_with_its_types(tmp_path: Path) -> None:
+    for a, b in _optimizer_round_trip(tmp_path, _Tally):
         assert set(a) == set(b)
         for key in ("count", "ema", "tag", "seen"):
             assert a[key] == b[key] and type(a[key]) is type(b[key]), key
         assert torch.equal(a["buf"], b["buf"])
-    _resume_matches(tmp_path / "two", make, _plain_step, before=3, after=3)
 
 
 class _Nested(torch.optim.Optimizer):
@@ -284,25 +294,11 @@ class _Nested(torch.optim.Optimizer):
 def test_nested_and_dotted_optimizer_slots_are_found_under_their_parameter(tmp_path: Path) -> None:
     # Slot keys are split from the parameter's name by the longest name the model has: a slot
     # with a dot ("ema.norm") or below a dict ("moments.m") belongs to the parameter.
-    def make() -> TrainingState:
-        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-        return TrainingState(model, _Nested(model.parameters()))
-
-    torch.manual_seed(0)
-    src = make()
-    for i in range(3):
-        _plain_step(src, i)
-    Checkpointer().save(str(tmp_path / "one"), 3, src)
-    dst = make()
-    Checkpointer().load(str(tmp_path / "one" / "step3"), dst)
-    assert src.optimizer is not None and dst.optimizer is not None
-    for p_src, p_dst in zip(src.model.parameters(), dst.model.parameters(), strict=True):
-        a, b = src.optimizer.state[p_src], dst.optimizer.state[p_dst]
+    for a, b in _optimizer_round_trip(tmp_path, _Nested):
         assert set(a) == set(b) == {"moments", "ema.norm"}
         assert set(b["moments"]) == {"m", "v"}
         assert all(torch.equal(a["moments"][k], b["moments"][k]) for k in ("m", "v"))
         assert torch.equal(a["ema.norm"], b["ema.norm"])
-    _resume_matches(tmp_path / "two", make, _plain_step, before=3, after=3)
 
 
 # ---------------------------------------------------------------------- item 4: what does not fit
