@@ -214,27 +214,36 @@ def test_a_grad_scaler_in_extra_resumes_exactly(tmp_path: Path) -> None:
     assert scaler.get_scale() == 2.0**11
 
 
-class _Tally(torch.optim.Optimizer):
-    """SGD that keeps an int, a float, a string and a list of strings per parameter, plus a tensor."""
+class _PerParameter(torch.optim.Optimizer):
+    """An optimizer whose step updates each parameter with a gradient through ``update``."""
 
     def __init__(self, params: Any, lr: float = 0.1) -> None:
         super().__init__(params, {"lr": lr})
+
+    def update(self, p: torch.Tensor, s: dict[str, Any], lr: float) -> None:
+        raise NotImplementedError
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                s = self.state[p]
-                if not s:
-                    s.update(count=0, ema=0.0, tag="fresh", seen=[], buf=torch.zeros_like(p))
-                s["count"] += 1
-                s["ema"] = 0.9 * s["ema"] + 0.1 * float(p.grad.norm())
-                s["tag"] = f"step-{s['count']}"
-                s["seen"].append(s["tag"])
-                s["buf"].mul_(0.5).add_(p.grad)
-                p.add_(s["buf"], alpha=-group["lr"] / s["count"])
+                if p.grad is not None:
+                    self.update(p, self.state[p], group["lr"])
+
+
+class _Tally(_PerParameter):
+    """SGD that keeps an int, a float, a string and a list of strings per parameter, plus a tensor."""
+
+    def update(self, p: torch.Tensor, s: dict[str, Any], lr: float) -> None:
+        assert p.grad is not None
+        if not s:
+            s.update(count=0, ema=0.0, tag="fresh", seen=[], buf=torch.zeros_like(p))
+        s["count"] += 1
+        s["ema"] = 0.9 * s["ema"] + 0.1 * float(p.grad.norm())
+        s["tag"] = f"step-{s['count']}"
+        s["seen"].append(s["tag"])
+        s["buf"].mul_(0.5).add_(p.grad)
+        p.add_(s["buf"], alpha=-lr / s["count"])
 
 
 def _optimizer_round_trip(tmp_path: Path, optimizer: type[torch.optim.Optimizer]) -> list[tuple[Any, Any]]:
@@ -269,26 +278,18 @@ def test_non_tensor_optimizer_state_round_trips_with_its_types(tmp_path: Path) -
         assert torch.equal(a["buf"], b["buf"])
 
 
-class _Nested(torch.optim.Optimizer):
+class _Nested(_PerParameter):
     """SGD whose per-parameter state nests a dict of tensors and names a slot with a dot."""
 
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                s = self.state[p]
-                if not s:
-                    s.update(moments={"m": torch.zeros_like(p), "v": torch.zeros_like(p)})
-                    s["ema.norm"] = torch.zeros(())
-                s["moments"]["m"].mul_(0.9).add_(p.grad)
-                s["moments"]["v"].mul_(0.99).add_(p.grad * p.grad)
-                s["ema.norm"].mul_(0.9).add_(0.1 * p.grad.norm())
-                p.add_(s["moments"]["m"] / (s["moments"]["v"].sqrt() + 1e-8), alpha=-group["lr"])
+    def update(self, p: torch.Tensor, s: dict[str, Any], lr: float) -> None:
+        assert p.grad is not None
+        if not s:
+            s.update(moments={"m": torch.zeros_like(p), "v": torch.zeros_like(p)})
+            s["ema.norm"] = torch.zeros(())
+        s["moments"]["m"].mul_(0.9).add_(p.grad)
+        s["moments"]["v"].mul_(0.99).add_(p.grad * p.grad)
+        s["ema.norm"].mul_(0.9).add_(0.1 * p.grad.norm())
+        p.add_(s["moments"]["m"] / (s["moments"]["v"].sqrt() + 1e-8), alpha=-lr)
 
 
 def test_nested_and_dotted_optimizer_slots_are_found_under_their_parameter(tmp_path: Path) -> None:
