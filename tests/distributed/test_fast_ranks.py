@@ -273,6 +273,14 @@ def test_a_load_at_the_saved_world_size_reads_its_own_table_and_the_shared_index
         for damage, value in zip(damages, rank_out, strict=True):
             assert value.get("equal") and value["tables"] == ["__0_0.distcp", "__1_0.distcp"], (damage.__name__, value)
             assert value["lanes"] == ["general"], (damage.__name__, value)
+    # With strict=False nothing raises where an index invents a tensor: the tables decide what is
+    # reported too (found by an outside attack: the invented tensor was reported as unexpected).
+    ghost = damaged[damages.index(extra_tensor)]
+    outs = _ok(run_ranks(2, workers.load_wide_counting_tables_each, [ghost], str(saved / "ref2.pt"), False,
+                         out=tmp_path / "o-ghost"))  # fmt: skip
+    for (value,) in outs:
+        assert value["equal"] and value["lanes"] == ["general"], value
+        assert value["report"] == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}, value
 
 
 def test_verify_refuses_two_tables_for_one_data_file(saved: Path, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -209,15 +210,16 @@ def save_wide(rank: int, folder: str, reference: str, layout: str = "fsdp") -> l
     return sorted(ckpt.verify(f"{folder}/step5").files)
 
 
-def load_wide(rank: int, path: str, reference: str, layout: str = "fsdp") -> dict[str, Any]:
+def load_wide(rank: int, path: str, reference: str, layout: str = "fsdp", strict: bool = True) -> dict[str, Any]:
     """Load ``path`` into a differently initialised FSDP2 (or ``layout``) state; compare whole
     tensors with ``reference``."""
     model, opt = _LAYOUTS[layout](1)
     before = _full_state(model, opt)
     events = _Events()
     ckpt = Checkpointer()
+    state = TrainingState(model, opt, strict=strict)
     try:
-        ckpt.load(path, TrainingState(model, opt))
+        ckpt.load(path, state)
     except Exception as exc:
         after = _full_state(model, opt)
         unchanged = set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
@@ -233,6 +235,7 @@ def load_wide(rank: int, path: str, reference: str, layout: str = "fsdp") -> dic
         "reader": load["reader"],
         "fetched": load["fetched"],
         "bytes": load["bytes"],
+        "report": dataclasses.asdict(state.load_report) if state.load_report is not None else None,
     }
 
 
@@ -304,7 +307,7 @@ def slot_order_after_load(rank: int, folder: str) -> bool:
     return before[0][0] == "step" and [list(opt.state[p]) for p in model.parameters()] == before
 
 
-def load_wide_counting_tables(rank: int, path: str, reference: str) -> dict[str, Any]:
+def load_wide_counting_tables(rank: int, path: str, reference: str, strict: bool = True) -> dict[str, Any]:
     """:func:`load_wide`, which data files' segment tables this rank read to plan it, and which
     reader read its pieces ("flat": the columnar lane at the saved world size, or "general")."""
     from ckptkeeper.engine import discovery, loading
@@ -328,17 +331,19 @@ def load_wide_counting_tables(rank: int, path: str, reference: str) -> dict[str,
     discovery.read_table_doc = counting  # type: ignore[assignment]
     loading.read_flat, loading.read_pieces = lane("flat", readers[0]), lane("general", readers[1])  # type: ignore[assignment]
     try:
-        out = load_wide(rank, path, reference)
+        out = load_wide(rank, path, reference, strict=strict)
     finally:
         discovery.read_table_doc = original  # type: ignore[assignment]
         loading.read_flat, loading.read_pieces = readers  # type: ignore[assignment]
     return {**out, "tables": sorted(set(read)), "lanes": lanes}
 
 
-def load_wide_counting_tables_each(rank: int, paths: list[str], reference: str) -> list[dict[str, Any]]:
+def load_wide_counting_tables_each(
+    rank: int, paths: list[str], reference: str, strict: bool = True
+) -> list[dict[str, Any]]:
     """:func:`load_wide_counting_tables` for each of ``paths`` in turn, in one process group (a
     group per checkpoint spent most of a test's time starting processes)."""
-    return [load_wide_counting_tables(rank, path, reference) for path in paths]
+    return [load_wide_counting_tables(rank, path, reference, strict) for path in paths]
 
 
 def load_round_with_different_failures(rank: int) -> str:
