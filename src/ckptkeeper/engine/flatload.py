@@ -223,7 +223,7 @@ def read_flat(
         if k.nbytes >= _SMALL_PIECE:
             continue
         end = r.start + k.head + k.nbytes + k.tail
-        if runs and runs[-1][0] == r.file and runs[-1][2] == r.start and end - runs[-1][1] <= _RUN_BYTES:
+        if runs and runs[-1][0] == r.file and runs[-1][2] == r.start and job_bytes + end - r.start <= _RUN_BYTES:
             file, first, last = runs[-1]
             job_bytes += end - last
             runs[-1] = (file, first, end)
