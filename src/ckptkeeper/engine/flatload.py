@@ -22,7 +22,6 @@ general way.
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -44,6 +43,7 @@ from .sharded import (
     _JOB_RUNS,
     _RUN_BYTES,
     INDEX_FILE,
+    JobBuffers,
     KindFacts,
     Source,
     _region,
@@ -238,16 +238,10 @@ def read_flat(
     if runs:
         jobs.append((runs, members))
 
-    spare: list[bytearray] = []  # buffers of placed jobs, reused by the next fetches
-    lock = threading.Lock()
+    blocks = JobBuffers()
 
     def fetch(job: tuple[list[tuple[str, int, int]], list[FlatRead]]) -> memoryview:
-        need = sum(end - start for _, start, end in job[0])
-        with lock:
-            block = spare.pop() if spare and len(spare[-1]) >= need else None
-        if block is None:
-            block = bytearray(_RUN_BYTES if _RUN_BYTES // 2 <= need <= _RUN_BYTES else need)
-        whole = memoryview(block)
+        whole = memoryview(blocks.take(sum(end - start for _, start, end in job[0])))
         at = 0
         for file, start, end in job[0]:
             source.read_into(file, start, whole[at : at + end - start])
@@ -289,9 +283,7 @@ def read_flat(
         move = _memmove_holding_gil
         for r, off in zip(members, offsets, strict=True):
             move(r.dest.data_ptr(), base + off, r.kind.nbytes)
-        if isinstance(block, bytearray) and len(block) == _RUN_BYTES:
-            with lock:
-                spare.append(block)
+        blocks.give(block)
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:

@@ -83,6 +83,7 @@ from .state import SavedTensor
 
 __all__ = [
     "INDEX_FILE",
+    "JobBuffers",
     "LocalSource",
     "Piece",
     "PieceEntry",
@@ -1135,6 +1136,34 @@ def _copy_overlap(read: _Read, data: memoryview) -> None:
     dst.copy_(src)
 
 
+class JobBuffers:
+    """The read buffers of one load's jobs, reused from job to job (thread-safe).
+
+    A fresh buffer per job cost more than its read (zeroed, and its pages faulted in: 150 MB per
+    rank at 2,500 parameters).
+    """
+
+    def __init__(self) -> None:
+        self._spare: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, need: int) -> bytearray:
+        """A buffer of at least ``need`` bytes: a spare one, or a new one."""
+        with self._lock:
+            block = self._spare.pop() if self._spare and len(self._spare[-1]) >= need else None
+        if block is None:
+            # Only jobs of about a buffer's size get one that is kept for reuse: small ones (an
+            # object store's run of a few pieces, with many in flight) take what they need.
+            block = bytearray(_RUN_BYTES if _RUN_BYTES // 2 <= need <= _RUN_BYTES else need)
+        return block
+
+    def give(self, block: object) -> None:
+        """Hand back a buffer from :meth:`take` whose views are all done with (kept if reusable)."""
+        if isinstance(block, bytearray) and len(block) == _RUN_BYTES:
+            with self._lock:
+                self._spare.append(block)
+
+
 def read_pieces(
     source: Source,
     reads: list[_Read],
@@ -1184,21 +1213,12 @@ def read_pieces(
         if verify:
             _check(source.where, read, "data", view)
 
-    spare: list[bytearray] = []  # buffers of placed jobs, reused by the next fetches
+    blocks = JobBuffers()
 
     def fetch(job: list[list[_Read]]) -> list[memoryview]:
         # One buffer for the job; each run (neighbouring pieces) is one read into its part of it.
-        # Buffers are reused: a fresh one per job cost more than its read (zeroed, and its pages
-        # faulted in, 150 MB per rank at 2,500 parameters).
         sizes = [run[-1].span[1] - run[0].span[0] for run in job]
-        need = sum(sizes)
-        with lock:
-            block = spare.pop() if spare and len(spare[-1]) >= need else None
-        if block is None:
-            # Only jobs of about a buffer's size get one that is kept for reuse: small ones (an
-            # object store's run of a few pieces, with many in flight) take what they need.
-            block = bytearray(_RUN_BYTES if _RUN_BYTES // 2 <= need <= _RUN_BYTES else need)
-        whole = memoryview(block)
+        whole = memoryview(blocks.take(sum(sizes)))
         bufs, at = [], 0
         for run, size in zip(job, sizes, strict=True):
             buf = whole[at : at + size]
@@ -1227,10 +1247,8 @@ def read_pieces(
                 _borrowed_view(read.dest)[:] = piece  # a plain memory copy; read.dest outlives the view
             else:
                 _copy_overlap(read, piece)
-        block = bufs[0].obj if bufs else None  # every view of it is done with: it can take the next job
-        if isinstance(block, bytearray) and len(block) == _RUN_BYTES:
-            with lock:
-                spare.append(block)
+        if bufs:
+            blocks.give(bufs[0].obj)  # every view of it is done with: it can take the next job
 
     large = [r for r in reads if r.whole and r.segs["data"].length >= _SMALL_PIECE]
     rest = sorted((r for r in reads if not (r.whole and r.segs["data"].length >= _SMALL_PIECE)),
