@@ -866,6 +866,19 @@ def test_a_hook_made_from_an_fsdp2_hooks_code_is_not_taken_for_one(monkeypatch: 
         users.__qualname__ = "users_hook"
         users.__module__ = "users_module"
         assert not state._known_hooks({0: fsdp_like, 1: users})
+    # Callables that are not functions: a wrapper torch uses is looked through; anything without a
+    # function's names (a partial, an object with __call__) is not FSDP2's.
+    import functools
+
+    from torch.nn.modules.module import _WrappedHook
+
+    class Caller:
+        def __call__(self, *args: Any) -> None:
+            return None
+
+    assert state._known_hooks({0: _WrappedHook(fsdp_like)})
+    assert not state._known_hooks({0: fsdp_like, 1: functools.partial(fsdp_like)})
+    assert not state._known_hooks({0: Caller()})
 
 
 def test_classes_that_compare_equal_are_each_checked() -> None:

@@ -15,6 +15,7 @@ import logging
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
@@ -311,8 +312,15 @@ def _known_hooks(hooks: Mapping[Any, Any]) -> bool:
     # user's function built on that code object (with its own closure and name) pass for FSDP2's
     # (found by an outside attack).
     for hook in hooks.values():
-        fn = getattr(hook, "hook", hook)  # torch wraps some hooks in a _WrappedHook
-        if (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) not in _FSDP2_HOOKS:
+        # torch wraps some hooks in a _WrappedHook. A plain function is not asked for ``hook``: the
+        # failed look (an exception made and dropped) was most of this check, which runs for three
+        # hooks of each of thousands of FSDP2 modules per load.
+        fn = hook if type(hook) is FunctionType else getattr(hook, "hook", hook)
+        try:
+            key = (fn.__module__, fn.__qualname__)
+        except AttributeError:  # a callable object without a function's names: not FSDP2's
+            return False
+        if key not in _FSDP2_HOOKS:
             return False
     return True
 
