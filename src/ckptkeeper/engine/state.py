@@ -387,6 +387,17 @@ def _dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
     return cast(torch.Tensor, DTensor.__new__(DTensor, local, spec, requires_grad=False))
 
 
+_SCALARS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scalar(dtype: torch.dtype) -> torch.Tensor:
+    """A 0-d CPU tensor of ``dtype`` to copy new scalars from (its value is never read as data)."""
+    found = _SCALARS.get(dtype)
+    if found is None:
+        found = _SCALARS[dtype] = torch.zeros((), dtype=dtype)
+    return found
+
+
 def _detached(value: Any) -> Any:
     if isinstance(value, DTensor):
         return _dtensor(value._local_tensor.detach(), value._spec)
@@ -484,11 +495,8 @@ def _set_optimizer_state(
         or len(groups) != len(opt.param_groups)
     ):
         return False
-    for value in state.values():
-        if type(value) is not dict or not all(
-            isinstance(v, torch.Tensor) or type(v) in _PLAIN_STATE for v in value.values()
-        ):
-            return False
+    # Every entry of ``state`` is looked at in the loop below (the caller keeps only the groups'
+    # names), which gives up on anything outside the common case before it changes anything.
     new_state: collections.defaultdict[torch.Tensor, dict[Any, Any]] = collections.defaultdict(dict)
     param_groups = []
     for group_names, current, settings in zip(names, opt.param_groups, groups, strict=True):
@@ -505,6 +513,8 @@ def _set_optimizer_state(
             slots = state.get(fqn)
             if slots is None:
                 continue
+            if type(slots) is not dict:
+                return False
             out = {}
             now = opt.state.get(p)
             if now and list(now) != list(slots):
@@ -526,6 +536,8 @@ def _set_optimizer_state(
                             v = v.to(dtype=p_dtype, device=p.device)
                     elif elsewhere:
                         v = v.to(device=p.device)
+                elif type(v) not in _PLAIN_STATE:
+                    return False
                 out[key] = v
             new_state[p] = out
     opt.__setstate__({"state": new_state, "param_groups": param_groups})
@@ -981,14 +993,16 @@ class TrainingState:
             was = saved.get(f"model.{fqn}")
             shape = _shape(p)  # once per parameter: a DTensor's shape is ~1 us a look
             # A slot that had the parameter's shape when saved must have it now (AdamW's moments).
-            bad = [
-                (f"optim.state.{fqn}.{rest}", info.shape, shape)
-                for rest, info in slots.items()
-                if was is not None and info.shape == was.shape and info.shape != shape
-            ]
-            if bad:
-                fit.mismatched += bad
-                continue
+            # Only possible where the parameter's own shape changed: the slots are looked at then.
+            if was is not None and was.shape != shape:
+                bad = [
+                    (f"optim.state.{fqn}.{rest}", info.shape, shape)
+                    for rest, info in slots.items()
+                    if info.shape == was.shape
+                ]
+                if bad:
+                    fit.mismatched += bad
+                    continue
             node = json_state.get(fqn, {})
             sub: dict[str, Any] = {}
             # A DTensor's shard and spec, looked up once per parameter (each look is a Python call).
@@ -998,9 +1012,12 @@ class TrainingState:
                 # With the parameter's shape: its device and sharding (a DTensor); otherwise a plain
                 # tensor that load_state_dict moves where it belongs.
                 if not (shape and info.shape == shape):
-                    t = torch.empty(info.shape, dtype=dtype)
+                    # A scalar (AdamW's step) is copied from one kept per dtype: cheaper than
+                    # torch.empty's argument parsing, once per parameter.
+                    t = _scalar(dtype).clone() if not info.shape else torch.empty(info.shape, dtype=dtype)
                 elif like is not None and like[2] == dtype:
-                    t = _dtensor(torch.empty_like(like[0]), like[1])  # what _empty_like makes, without its checks
+                    # What _empty_like makes, without its checks or a call of _dtensor.
+                    t = DTensor.__new__(DTensor, torch.empty_like(like[0]), like[1], requires_grad=False)
                 else:
                     t = _empty_like(p, dtype)
                 if "." in rest:
@@ -1026,7 +1043,12 @@ class TrainingState:
             optim = plan.undo.get("optim_plan")
             if optim is not None:
                 read = plan.tensors.get("optim", {}).get("state", {})
-                state = {fqn: merge_trees(node, read.get(fqn, {})) for fqn, node in optim["json"].items()}
+                # A parameter's JSON node is empty when all its state is tensors (AdamW's): its
+                # read slots are then its state as they are (nothing keeps or changes that dict).
+                state = {
+                    fqn: merge_trees(node, read.get(fqn, {})) if node else read.get(fqn, {})
+                    for fqn, node in optim["json"].items()
+                }
                 self._load_optimizer(optim["names"], state, optim["groups"], optim["pairs"])
             for name in plan.undo.get("extra", {}):
                 tree = merge_trees(plan.meta["extra"][name], plan.tensors.get("extra", {}).get(name, {}))
@@ -1052,7 +1074,8 @@ def _pruned(tree: Mapping[str, Any]) -> dict[str, Any]:
     # Readers are given no empty dicts (a parameter whose saved state has no tensors, say).
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        if isinstance(value, Mapping):
+        # A tensor is told apart before asking Mapping (an ABC check, slow per tensor of a big state).
+        if type(value) is dict or (not isinstance(value, torch.Tensor) and isinstance(value, Mapping)):
             sub = _pruned(value)
             if sub:
                 out[key] = sub
