@@ -21,7 +21,11 @@ suite keeps this script working on machines without a GPU):
 
     python benchmarks/gpu_check.py [--device cuda] [--model-mib 512] [--repeats 3] [--out report.json]
 
-Prints one JSON object (also written to ``--out``): the environment, the floor, the round trip, both
+It needs only ckptkeeper's own dependencies (torch, numpy, xxhash, rich): from a checkout,
+``PYTHONPATH=src python3 benchmarks/gpu_check.py`` runs it on any machine whose Python has a CUDA torch.
+
+Prints one JSON object (also written to ``--out``, after every step, so that a run stopped by a time
+limit leaves what it measured): the environment, the floor, the round trip, both
 bench reports, ``ratios`` (the async save's blocked time over the pinned copy floor; the load's time
 over the host-to-device floor) and ``failures``, each check that did not hold, by name. Exits 1 when
 any check failed, 2 when ``--device cuda`` finds no CUDA device.
@@ -199,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "model_mib": args.model_mib,
     }
+    report["failures"] = failures
+
+    def keep() -> None:
+        # Written after every step: a run cut short (a machine's time limit) still leaves what it measured.
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+
     root = tempfile.mkdtemp(prefix="ckptkeeper-gpu-check-")
     try:
         model, optimizer = _build(args.model_mib, args.device, seed=0)
@@ -206,12 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         report["state_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
         report["floor"] = _floor(tensors, args.device, args.repeats)
         del model, optimizer, tensors
+        keep()
         report["round_trip"] = _round_trip(os.path.join(root, "ckpt"), args.model_mib, args.device, failures)
+        keep()
 
         py = sys.executable
         torchrun = str(Path(py).parent / "torchrun")
         common = ["--device", args.device, "--model-mib", str(args.model_mib), "--repeats", str(args.repeats)]
         report["bench"] = _bench([py, "-m", "ckptkeeper", "bench", *common, "--json"], root, failures, "bench")
+        keep()
         one_rank = [torchrun, "--standalone", "--nproc-per-node", "1", "-m", "ckptkeeper", "bench"]
         fsdp2 = [*one_rank, *common, "--tensors", "200", "--json"]
         report["bench_fsdp2"] = _bench(fsdp2, root, failures, "bench (FSDP2, torchrun)")
@@ -222,11 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report["failures"] = failures
-    text = json.dumps(report, indent=1, sort_keys=True)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    keep()
+    print(json.dumps(report, indent=1, sort_keys=True))
     return 1 if failures else 0
 
 
