@@ -32,6 +32,7 @@ import math
 import operator
 import os
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -125,6 +126,37 @@ _TABLE_PREFIX = f"{MODEL_DIR}/.ckptkeeper-pieces-"
 _OLD_TABLE_PREFIX = f"{MODEL_DIR}/.ckptkeeper-layout-"
 _REGIONS: dict[Any, Any] = {}
 _REMOTE_PART = 16 << 20
+_BY_SPEC_ID: dict[int, list[Any]] = {}
+"""[weak reference to the spec, its hash then, world size, box, writer or None] by ``id(spec)``.
+
+A front for :data:`_REGIONS` and :data:`_SPEC_WRITERS`, which are keyed by the spec's value:
+FSDP2 makes a spec object per parameter group, equal to the other groups' for a parameter of the
+same shape, so most look-ups there ran DTensorSpec's ``__eq__`` (about a microsecond), once per
+tensor per load and twice per save, ten milliseconds at 10,000 tensors. Here a spec object is
+known by identity, checked with the weak reference (a dead spec's address can be reused) and with
+the hash DTensorSpec caches, which it drops when a field is set again (a spec changed in place is
+then looked up by value again). Where torch keeps no cached hash, nothing is kept here.
+"""
+
+
+def _spec_entry(spec: Any, world: int) -> list[Any] | None:
+    """This very ``spec`` object's entry for ``world`` in :data:`_BY_SPEC_ID`, if it is still good."""
+    hit = _BY_SPEC_ID.get(id(spec))
+    if hit is not None and hit[0]() is spec and hit[2] == world and hit[1] == spec.__dict__.get("_hash"):
+        return hit
+    return None
+
+
+def _keep_spec_box(spec: Any, world: int, box: Any) -> None:
+    """Start this spec object's entry with its ``box`` at ``world`` (nothing where torch caches no hash)."""
+    _BY_SPEC_ID.pop(id(spec), None)  # another object's at this address, or this one's before a change
+    hash(spec)  # fills the spec's cached hash
+    h = spec.__dict__.get("_hash")
+    if h is None:
+        return
+    if len(_BY_SPEC_ID) > 1 << 16:
+        _BY_SPEC_ID.clear()
+    _BY_SPEC_ID[id(spec)] = [weakref.ref(spec), h, world, box, None]
 
 
 def shard_name(rank: int) -> str:
@@ -189,11 +221,16 @@ def _region(value: Any, world: int) -> tuple[torch.Tensor, tuple[int, ...], tupl
         # placements), whose hash DTensor caches: one look-up per tensor instead of asking the
         # mesh for its size, shape and coordinate each time (~13 us, 0.15 s at 12,000 tensors).
         spec = value._spec
-        found = _REGIONS.get((spec, world))
-        if found is None:
-            if len(_REGIONS) > 4096:
-                _REGIONS.clear()
-            found = _REGIONS[(spec, world)] = _box(value, world)
+        hit = _BY_SPEC_ID.get(id(spec))
+        if hit is not None and hit[0]() is spec and hit[2] == world and hit[1] == spec.__dict__.get("_hash"):
+            found = hit[3]  # this very spec object, unchanged (see _BY_SPEC_ID)
+        else:
+            found = _REGIONS.get((spec, world))
+            if found is None:
+                if len(_REGIONS) > 4096:
+                    _REGIONS.clear()
+                found = _REGIONS[(spec, world)] = _box(value, world)
+            _keep_spec_box(spec, world, found)
         if found is _NO_BOX or tuple(local.shape) != found[0]:
             return None
         return local, found[1], found[2]
@@ -272,7 +309,12 @@ def _local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[
                 # Without a Replicate placement the writer depends on the spec alone (each rank
                 # writes its own shard): asked once per spec, not once per tensor.
                 spec = value._spec
-                known = writers.get(spec)
+                entry = _spec_entry(spec, world)  # _region has just looked at (or made) it
+                known = entry[4] if entry is not None else None
+                if known is None:
+                    known = writers.get(spec)
+                    if known is not None and entry is not None:
+                        entry[4] = known
                 if known is not None:
                     writer = known
                 else:
@@ -281,6 +323,8 @@ def _local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[
                     writer = _dtensor_writer(value, fqn)
                     if not any(isinstance(p, Replicate) for p in value.placements):
                         writers[spec] = writer
+                        if entry is not None:
+                            entry[4] = writer
             pieces.append(Piece(fqn, path, local, offsets, shape, writer))
         else:
             plain.append((len(pieces), fqn, path, local, offsets, shape, local.numel() * local.element_size()))
