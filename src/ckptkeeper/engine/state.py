@@ -387,17 +387,6 @@ def _dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
     return cast(torch.Tensor, DTensor.__new__(DTensor, local, spec, requires_grad=False))
 
 
-_SCALARS: dict[torch.dtype, torch.Tensor] = {}
-
-
-def _scalar(dtype: torch.dtype) -> torch.Tensor:
-    """A 0-d CPU tensor of ``dtype`` to copy new scalars from (its value is never read as data)."""
-    found = _SCALARS.get(dtype)
-    if found is None:
-        found = _SCALARS[dtype] = torch.zeros((), dtype=dtype)
-    return found
-
-
 def _detached(value: Any) -> Any:
     if isinstance(value, DTensor):
         return _dtensor(value._local_tensor.detach(), value._spec)
@@ -469,6 +458,7 @@ def _optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 _PLAIN_STATE = (int, float, bool, str, type(None))
+_ABSENT = object()
 
 
 def _set_optimizer_state(
@@ -510,11 +500,11 @@ def _set_optimizer_state(
         param_groups.append(new_group)
         float_step = bool(settings.get("capturable", False) or settings.get("fused", False))
         for fqn, p in zip(group_names, params, strict=True):
-            slots = state.get(fqn)
-            if slots is None:
+            slots = state.get(fqn, _ABSENT)
+            if slots is _ABSENT:
                 continue
             if type(slots) is not dict:
-                return False
+                return False  # None included: load_state_dict decides (and names the problem)
             out = {}
             now = opt.state.get(p)
             if now and list(now) != list(slots):
@@ -1012,9 +1002,7 @@ class TrainingState:
                 # With the parameter's shape: its device and sharding (a DTensor); otherwise a plain
                 # tensor that load_state_dict moves where it belongs.
                 if not (shape and info.shape == shape):
-                    # A scalar (AdamW's step) is copied from one kept per dtype: cheaper than
-                    # torch.empty's argument parsing, once per parameter.
-                    t = _scalar(dtype).clone() if not info.shape else torch.empty(info.shape, dtype=dtype)
+                    t = torch.empty(info.shape, dtype=dtype)
                 elif like is not None and like[2] == dtype:
                     # What _empty_like makes, without its checks or a call of _dtensor.
                     t = DTensor.__new__(DTensor, torch.empty_like(like[0]), like[1], requires_grad=False)
