@@ -286,6 +286,30 @@ def test_non_contiguous_parameters_and_lazy_views_round_trip_for_us_and_stock_dc
         assert torch.equal(back["model"][k], v) and torch.equal(stock["model"][k], v), k
 
 
+def test_views_into_a_larger_buffer_are_written_as_their_own_bytes_only(tmp_path: Path) -> None:
+    # Contiguous views at an offset of one buffer (a padded FSDP2 shard is one) are written without
+    # a copy: each blob must still be what torch.save writes for a compact tensor of its shape.
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from ckptkeeper.cli.bench_run import _FixedState
+
+    flat = torch.randn(64)
+    tree = {"model": {"a": flat[3:23].view(4, 5), "b": flat[40:47], "c": flat[0:0], "d": flat[63:]}}
+    want = {k: v.clone() for k, v in tree["model"].items()}
+    Checkpointer().save(str(tmp_path), 1, _FixedState(tree))
+    data = tmp_path / "step1" / "model_and_optim" / "__0_0.distcp"
+    compact = tmp_path / "compact"
+    Checkpointer().save(str(compact), 1, _FixedState({"model": {k: v.clone() for k, v in want.items()}}))
+    assert data.read_bytes() == (compact / "step1" / "model_and_optim" / "__0_0.distcp").read_bytes()
+    back = {"model": {k: torch.full_like(v, 7.0) for k, v in want.items()}}
+    Checkpointer().load(str(tmp_path / "step1"), _FixedState(back))
+    stock = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp_load(stock, checkpoint_id=str(tmp_path / "step1" / "model_and_optim"), no_dist=True)
+    for k, v in want.items():
+        assert torch.equal(back["model"][k], v) and torch.equal(stock["model"][k], v), k
+    assert torch.equal(tree["model"]["a"], want["a"])  # the buffer itself is untouched
+
+
 def test_the_piece_reader_backs_a_tensor_up_before_any_piece_is_written() -> None:
     # Found by an outside attack: a second reader skipped the backup of a tensor whose first
     # backup was still being copied, and wrote into it.

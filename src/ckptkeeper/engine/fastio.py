@@ -423,15 +423,19 @@ def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
 
 
 def exact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when it is contiguous and owns exactly its storage, else a compact copy."""
+    """``t`` itself when its memory holds its values one after another, else a compact copy.
+
+    A contiguous view into a larger buffer (an FSDP2 shard of a padded parameter, say) is taken as
+    it is: only its own bytes are written, under the head and tail of a compact tensor of its shape
+    (:func:`_skeleton`), which is what ``torch.save`` of a compact copy would write. Copying it
+    first cost a memory copy per such tensor, and asking for its storage a Python object per tensor.
+    """
     if t.requires_grad:
         t = t.detach()  # only its bytes are read; a detach per tensor is not free, so only when needed
     if t.is_conj() or t.is_neg():
         # A lazy conjugate or negation: its memory holds the other values; write the real ones.
         t = t.resolve_conj().resolve_neg()
-    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    return t.contiguous().clone()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -577,7 +581,7 @@ def write_items(
 ) -> tuple[FileEntry, list[Segment], list[int]]:
     """Write each tensor as one ``torch.save`` blob, one after another, into a new file at ``data_path``.
 
-    Tensors must be contiguous CPU tensors that own their storage exactly (see :func:`exact`).
+    Tensors must be contiguous CPU tensors (see :func:`exact`); only each one's own bytes are written.
     Returns the file's size and checksum, its segments (head, data, tail of each tensor, in
     order, each with its checksum) and where each tensor's blob starts. With ``sink`` the bytes
     are streamed there instead (an object-store upload; ``data_path`` is not written), and the

@@ -259,7 +259,8 @@ class Rollback:
             if t.numel():
                 group = by_dtype.setdefault(t.dtype, ([], []))
                 group[0].append(name)
-                group[1].append(t.detach())
+                # A load's destinations are detached already (a detach per tensor is not free).
+                group[1].append(t.detach() if t.requires_grad else t)
         with torch.no_grad():
             for done, src in by_dtype.values():
                 if all(name in self._buffers for name in done):
