@@ -27,8 +27,10 @@ It needs only ckptkeeper's own dependencies (torch, numpy, xxhash, rich): from a
 Prints one JSON object (also written to ``--out``, after every step, so that a run stopped by a time
 limit leaves what it measured): the environment, the floor, the round trip, both
 bench reports, ``ratios`` (the async save's blocked time over the pinned copy floor; the load's time
-over the host-to-device floor) and ``failures``, each check that did not hold, by name. Exits 1 when
-any check failed, 2 when ``--device cuda`` finds no CUDA device.
+over the host-to-device floor) and ``failures``, each check that did not hold (a step that raised is
+one, named with its error; the steps after it still run). Exits 1 when any check failed, 2 on bad
+arguments (an ``--out`` that cannot be written is found before any work) or when ``--device cuda``
+finds no CUDA device. SIGTERM and Ctrl-C remove its temporary folder and stop a running benchmark.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +63,7 @@ def _sync(device: str) -> None:
 
 
 def _median_time(fn: Callable[[], Any], device: str, repeats: int) -> float:
+    fn()  # once untimed: first-time costs (allocation, page faults, kernel set-up) are not the floor
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -182,6 +186,12 @@ def _bench(cmd: list[str], workdir: str, failures: list[str], name: str) -> dict
     return report
 
 
+def _stopped(signum: int, frame: object) -> None:
+    # SIGTERM (a machine's time limit, a job scheduler) unwinds like Ctrl-C: the temporary folder is
+    # removed and a running benchmark child is killed by subprocess.run on the way out.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every step; prints (and with ``--out`` writes) the JSON report; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -192,9 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model_mib < 1 or args.repeats < 1:
         parser.error("--model-mib and --repeats must be at least 1")
+    if args.out:
+        try:  # before any work: a report that cannot be written would waste a lent machine's time
+            Path(args.out).write_text("{}\n")
+        except OSError as exc:
+            parser.error(f"--out {args.out} cannot be written ({exc.strerror}); give a file in an existing folder")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda needs a CUDA device, and torch sees none here", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _stopped)
 
     failures: list[str] = []
     report: dict[str, Any] = {
@@ -202,38 +218,50 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "model_mib": args.model_mib,
+        "failures": failures,
     }
-    report["failures"] = failures
 
     def keep() -> None:
         # Written after every step: a run cut short (a machine's time limit) still leaves what it measured.
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
 
-    root = tempfile.mkdtemp(prefix="ckptkeeper-gpu-check-")
-    try:
+    def step(name: str, fn: Callable[[], Any]) -> Any:
+        # A step that raises is a failed check, named with its error; the steps after it still run.
+        try:
+            return fn()
+        except Exception as exc:
+            failures.append(f"{name} raised {type(exc).__name__}: {str(exc)[:500]}")
+            return None
+        finally:
+            keep()
+
+    def floor_step() -> dict[str, float]:
         model, optimizer = _build(args.model_mib, args.device, seed=0)
         tensors = _state_tensors(model, optimizer)
         report["state_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
-        report["floor"] = _floor(tensors, args.device, args.repeats)
-        del model, optimizer, tensors
-        keep()
-        report["round_trip"] = _round_trip(os.path.join(root, "ckpt"), args.model_mib, args.device, failures)
-        keep()
+        return _floor(tensors, args.device, args.repeats)
 
+    root = tempfile.mkdtemp(prefix="ckptkeeper-gpu-check-")
+    try:
+        report["floor"] = step("the copy floor", floor_step)
+        report["round_trip"] = step(
+            "the round trip", lambda: _round_trip(os.path.join(root, "ckpt"), args.model_mib, args.device, failures)
+        )
         py = sys.executable
         torchrun = str(Path(py).parent / "torchrun")
         common = ["--device", args.device, "--model-mib", str(args.model_mib), "--repeats", str(args.repeats)]
-        report["bench"] = _bench([py, "-m", "ckptkeeper", "bench", *common, "--json"], root, failures, "bench")
-        keep()
-        one_rank = [torchrun, "--standalone", "--nproc-per-node", "1", "-m", "ckptkeeper", "bench"]
-        fsdp2 = [*one_rank, *common, "--tensors", "200", "--json"]
-        report["bench_fsdp2"] = _bench(fsdp2, root, failures, "bench (FSDP2, torchrun)")
+        one = [py, "-m", "ckptkeeper", "bench", *common, "--json"]
+        report["bench"] = step("bench", lambda: _bench(one, root, failures, "bench"))
+        fsdp2 = [torchrun, "--standalone", "--nproc-per-node", "1", "-m", "ckptkeeper", "bench", *common]
+        fsdp2 += ["--tensors", "200", "--json"]
+        report["bench_fsdp2"] = step("bench (FSDP2)", lambda: _bench(fsdp2, root, failures, "bench (FSDP2, torchrun)"))
         floor, trip = report["floor"], report["round_trip"]
-        report["ratios"] = {
-            "async_blocked_vs_d2h_pinned_floor": trip["async_blocked_s"] / floor["d2h_pinned_s"],
-            "load_vs_h2d_floor": trip["load_s"] / floor["h2d_s"],
-        }
+        if floor and trip and "load_s" in trip:
+            report["ratios"] = {
+                "async_blocked_vs_d2h_pinned_floor": trip["async_blocked_s"] / floor["d2h_pinned_s"],
+                "load_vs_h2d_floor": trip["load_s"] / floor["h2d_s"],
+            }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     keep()
