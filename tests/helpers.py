@@ -37,6 +37,18 @@ class CrashAt(Callback):
             raise SimulatedCrash(self.step)
 
 
+def stepped_linear(
+    seed: int, n_in: int, n_out: int, batch: int = 1, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW
+) -> TrainingState:
+    """A ``Linear(n_in, n_out)`` and its optimizer after one step (so that its state exists), seeded."""
+    torch.manual_seed(seed)
+    model = nn.Linear(n_in, n_out)
+    opt = optimizer(model.parameters())
+    model(torch.randn(batch, n_in)).sum().backward()
+    opt.step()
+    return TrainingState(model, opt)
+
+
 def tiny_trainer(
     folder: str,
     cb: CheckpointerCallback | None,

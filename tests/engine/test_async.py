@@ -11,23 +11,17 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from ckptkeeper import Checkpointer, CheckpointerCallback, CheckpointSaveError, TrainingState, state_digest
 from ckptkeeper.engine import SaveStage
 
-from ..helpers import tiny_trainer
+from ..helpers import stepped_linear, tiny_trainer
 
 
 def _state() -> TrainingState:
-    torch.manual_seed(0)
-    model = nn.Linear(64, 64)
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, 64)).sum().backward()
-    opt.step()
-    return TrainingState(model, opt)
+    return stepped_linear(0, 64, 64, batch=2, optimizer=torch.optim.Adam)
 
 
 def _read_tensors(folder: Path, like: TrainingState) -> dict[str, Any]:

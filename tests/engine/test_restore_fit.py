@@ -22,6 +22,8 @@ from torch import nn
 from ckptkeeper import Checkpointer, CheckpointError, ConfigurationError, TrainingState, state_digest
 from ckptkeeper.engine.state import CheckpointMismatchError
 
+from ..helpers import stepped_linear
+
 Step = Callable[[TrainingState, int], None]
 
 
@@ -902,19 +904,11 @@ def test_classes_that_compare_equal_are_each_checked() -> None:
 def test_a_load_under_another_default_device_leaves_later_loads_alone(tmp_path: Path) -> None:
     # Found by an outside attack on a cache of scalar slots: made under `with torch.device("meta")`,
     # every later load's AdamW steps were meta tensors and failed.
-    def trained(seed: int) -> TrainingState:
-        torch.manual_seed(seed)
-        m = nn.Linear(3, 2)
-        o = torch.optim.AdamW(m.parameters())
-        m(torch.randn(1, 3)).sum().backward()
-        o.step()
-        return TrainingState(m, o)
-
-    src = trained(0)
+    src = stepped_linear(0, 3, 2)
     path = Checkpointer().save(str(tmp_path), 1, src).path
     with torch.device("meta"), contextlib.suppress(Exception):
-        Checkpointer().load(path, trained(1))
-    dst = trained(2)
+        Checkpointer().load(path, stepped_linear(1, 3, 2))
+    dst = stepped_linear(2, 3, 2)
     Checkpointer().load(path, dst)
     assert dst.optimizer is not None and src.optimizer is not None
     for p, q in zip(dst.model.parameters(), src.model.parameters(), strict=True):
@@ -926,12 +920,7 @@ def test_a_load_under_another_default_device_leaves_later_loads_alone(tmp_path: 
 def test_restore_with_a_parameters_state_set_to_none_is_refused_as_before() -> None:
     # What load_state_dict makes of it decides (found by an outside attack: the fast setter had
     # started to skip such a parameter silently).
-    torch.manual_seed(0)
-    m = nn.Linear(3, 2)
-    o = torch.optim.AdamW(m.parameters())
-    m(torch.randn(1, 3)).sum().backward()
-    o.step()
-    st = TrainingState(m, o)
+    st = stepped_linear(0, 3, 2)
     tensors, meta = st.capture()
     meta["optim"]["state"]["bias"] = None
     tensors["optim"]["state"].pop("bias", None)

@@ -6,12 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 from ckptkeeper import Checkpointer, TrainingState, state_digest, storage_for
 from ckptkeeper.storage import Storage
 
+from ..helpers import stepped_linear
 from .servers import BACKENDS, backend_root
 
 
@@ -72,12 +71,7 @@ def test_upload_download_and_remove(root: str, tmp_path: Path) -> None:
 
 
 def _state(seed: int) -> TrainingState:
-    torch.manual_seed(seed)
-    model = nn.Linear(32, 16)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(3, 32)).sum().backward()
-    opt.step()
-    return TrainingState(model, opt)
+    return stepped_linear(seed, 32, 16, batch=3)
 
 
 def test_checkpointer_commit_discover_load_remove(root: str) -> None:
