@@ -151,3 +151,10 @@ def test_a_rank_dying_mid_save_is_an_error_on_the_others_not_a_hang(tmp_path: Pa
     assert not out[0]["ok"] and out[0]["type"] == "CheckpointSaveError", out[0]
     assert "step 4" in out[0]["error"]
     assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path / "run"))] == [0]
+
+
+def test_a_checkpointer_given_a_group_without_global_rank_zero_saves_and_loads(tmp_path: Path) -> None:
+    # Found by an outside attack: the save's first broadcast named global rank 0 as its source.
+    out = run_ranks(2, workers.save_in_a_group_without_global_rank_zero, str(tmp_path / "run"), out=tmp_path / "o")
+    assert all(o["ok"] for o in out), out
+    assert [o["value"] for o in out] == [None, True]

@@ -108,11 +108,15 @@ def barrier(group: Any = None) -> None:
 
 
 def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
-    """Rank ``src``'s ``obj`` on every rank (identity in one process)."""
+    """The ``obj`` of ``group``'s rank ``src`` on every rank of it (identity in one process).
+
+    ``src`` is a rank within ``group``: torch wants a global one, which is not 0 for a group that
+    leaves out global rank 0 (a checkpointer given a sub-group of a larger job).
+    """
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, src=src if group is None else dist.get_global_rank(group, src), group=group)
     return box[0]  # type: ignore[no-any-return]
 
 
