@@ -1082,7 +1082,8 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     h = hashlib.sha256()
     for path, t in sorted(flatten_tensors(tensors), key=lambda p: p[0]):
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        data = full.detach().cpu().contiguous().reshape(-1)
+        # A lazy conjugate or negation has no byte view of its values: they are made first.
+        data = full.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
         h.update(f"{path}|{data.dtype}|{tuple(full.shape)}|".encode())
         h.update(data.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
