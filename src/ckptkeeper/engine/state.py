@@ -1004,8 +1004,7 @@ class TrainingState:
                 if not (shape and info.shape == shape):
                     t = torch.empty(info.shape, dtype=dtype)
                 elif like is not None and like[2] == dtype:
-                    # What _empty_like makes, without its checks or a call of _dtensor.
-                    t = DTensor.__new__(DTensor, torch.empty_like(like[0]), like[1], requires_grad=False)
+                    t = _dtensor(torch.empty_like(like[0]), like[1])  # what _empty_like makes, without its checks
                 else:
                     t = _empty_like(p, dtype)
                 if "." in rest:
