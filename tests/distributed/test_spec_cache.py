@@ -49,7 +49,8 @@ def test_an_entry_left_by_another_object_at_the_same_address_is_not_used(mesh: D
     other = distribute_tensor(torch.randn(10, 2), mesh, [Replicate()])
     spec = d._spec
     # What a dead spec's entry looks like once a new spec is made at its address.
-    _BY_SPEC_ID[id(spec)] = [weakref.ref(other._spec), hash(spec), 1, ((10, 2), (0, 0), (10, 2)), True]
+    box = ((10, 2), (0, 0), (10, 2))
+    _BY_SPEC_ID[id(spec)] = [weakref.ref(other._spec), hash(spec), 1, box, True, (*box, True)]
     found = _region(d, 1)
     assert found is not None and found[1:] == ((0, 0), (6, 2))
     pieces = local_pieces({"w": d}, 0, 1)
@@ -70,3 +71,27 @@ def test_equal_specs_of_several_objects_each_get_their_own_entry(
             assert _region(d, 1) is not None
     assert len(calls) == 1  # worked out once, by value; each object then known by identity
     assert all(_BY_SPEC_ID[id(d._spec)][0]() is d._spec for d in made)
+
+
+def test_a_save_takes_the_kept_facts_only_for_the_same_unchanged_spec(mesh: DeviceMesh) -> None:
+    d = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    for _ in range(2):  # the second save takes the facts the first one kept
+        found = local_pieces({"w": d}, 0, 1)
+        assert found is not None
+        assert [(p.offsets, p.global_shape, p.writer) for p in found[0]] == [((0, 0), (8, 4), True)]
+    assert _BY_SPEC_ID[id(d._spec)][5] is not None
+    # Another object's entry at this spec's address (what a dead spec leaves): never used.
+    other = distribute_tensor(torch.randn(10, 2), mesh, [Shard(0)])
+    box = ((8, 4), (3, 0), (11, 4))
+    _BY_SPEC_ID[id(d._spec)] = [weakref.ref(other._spec), hash(d._spec), 1, box, True, (*box, True)]
+    found = local_pieces({"w": d}, 0, 1)
+    assert found is not None and [(p.offsets, p.global_shape) for p in found[0]] == [((0, 0), (8, 4))]
+    # The spec changed in place (a pending sum has no box): the kept facts are not used.
+    local_pieces({"w": d}, 0, 1)
+    d._spec.placements = (Partial(),)
+    assert local_pieces({"w": d}, 0, 1) is None
+    d._spec.placements = (Shard(0),)
+    assert local_pieces({"w": d}, 0, 1) is not None
+    # A local shard that no longer has the box's shape: not taken (DCP's writer gets the state).
+    d._local_tensor = torch.randn(3, 4)
+    assert local_pieces({"w": d}, 0, 1) is None

@@ -172,18 +172,27 @@ def test_small_pieces_are_written_together_and_read_back_exactly(tmp_path: Path)
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     from ckptkeeper.cli.bench_run import _FixedState
-    from ckptkeeper.engine.fastio import _gather
+    from ckptkeeper.engine.fastio import _CHUNK, _plan_writes, _skeleton
 
-    # Adjacent small pieces are gathered into one write (up to a run size); a large one ends a run.
-    views = [memoryview(bytes([i]) * n) for i, n in enumerate((3, 5, 2 << 20, 7, 1))]
-    pieces = [(0, views[0]), (3, views[1]), (8, views[2]), (8 + (2 << 20), views[3]), (15 + (2 << 20), views[4])]
-    jobs = _gather(pieces)
-    assert [(off, [len(b) for b in bufs]) for off, bufs in jobs] == [
-        (0, [3, 5]),
-        (8, [2 << 20]),
-        (8 + (2 << 20), [7, 1]),
+    # Neighbouring small tensors (headers and trailers too) are gathered into one write; a large
+    # tensor's data goes alone, in parts, and its trailer starts the next run.
+    big = torch.arange(3 << 20, dtype=torch.uint8)  # above _SMALL_PIECE, below _CHUNK: one part
+    tensors = [torch.full((3,), 1.0), torch.full((5,), 2.0), big, torch.full((7,), 3.0), torch.zeros(0)]
+    plan = _plan_writes(tensors)
+    sizes = [len(sk[0]) + t.nbytes + len(sk[1]) for sk, t in zip(plan.skeletons, tensors, strict=True)]
+    assert plan.total == sum(sizes)
+    heads = [len(sk[0]) for sk in plan.skeletons]
+    tails = [len(sk[1]) for sk in plan.skeletons]
+    assert [(off, [len(b) for b in bufs]) for off, bufs in plan.jobs] == [
+        (0, [heads[0], 12, tails[0], heads[1], 20, tails[1], heads[2]]),
+        (sizes[0] + sizes[1] + heads[2], [3 << 20]),
+        (sizes[0] + sizes[1] + sizes[2] - tails[2], [tails[2], heads[3], 28, tails[3], heads[4], tails[4]]),
     ]
-    assert b"".join(jobs[0][1]) == b"\x00" * 3 + b"\x01" * 5
+    # The jobs hold the file's bytes in order: what torch.save writes for each tensor.
+    image = b"".join(bytes(b) for _, bufs in plan.jobs for b in bufs)
+    assert image == b"".join(_skeleton(t)[0] + t.numpy().tobytes() + _skeleton(t)[1] for t in tensors)
+    huge = torch.zeros(_CHUNK + 5, dtype=torch.uint8)
+    assert [len(b) for _, bufs in _plan_writes([huge]).jobs for b in bufs][1:3] == [_CHUNK, 5]
 
     torch.manual_seed(0)
     tree = {"model": {f"t{i}": torch.randn(i % 7 + 1, 3) for i in range(2000)}}

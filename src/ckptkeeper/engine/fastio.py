@@ -479,35 +479,74 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += n
 
 
-def _gather(pieces: Iterable[tuple[int, Any]]) -> list[tuple[int, list[Any]]]:
-    """Write jobs for consecutive ``(offset, buffer)`` pieces of a file, in file order.
+class _Plan(NamedTuple):
+    """What a data file will hold, worked out before any byte is written (:func:`_plan_writes`)."""
 
-    Large buffers go alone (in parts of _CHUNK); runs of small neighbours are gathered into one
-    ``pwritev`` each (a thread-pool job and a system call per tensor header cost more than the
-    bytes, and gathering needs no joining copy).
+    skeletons: list[tuple[bytes, bytes, str, str]]
+    """Each tensor's ``torch.save`` head, tail and their checksums (see :func:`_skeleton`)."""
+    views: list[memoryview]
+    """Each tensor's own bytes, borrowed (the caller holds the tensors until the writes are done)."""
+    jobs: list[tuple[int, list[Any]]]
+    """``(offset, buffers)`` write jobs covering the whole file in order (see :func:`_plan_writes`)."""
+    total: int
+
+
+def _plan_writes(tensors: Iterable[torch.Tensor]) -> _Plan:
+    """The head, data and tail of each tensor, one after another, as write jobs in file order.
+
+    Large data goes alone (in parts of _CHUNK); runs of small neighbours (a tensor's header and
+    trailer included) are gathered into one ``pwritev`` each, up to _RUN_BYTES and the system's
+    iovec limit: a thread-pool job and a system call per tensor header cost more than the bytes,
+    and gathering needs no joining copy. One pass per tensor, not one per piece and another per
+    list: at 10,000 small tensors this loop is most of a save's own CPU beside the copies.
+    Tensors must be contiguous CPU tensors (:func:`exact`).
     """
+    skeletons: list[tuple[bytes, bytes, str, str]] = []
+    views: list[memoryview] = []
     jobs: list[tuple[int, list[Any]]] = []
     run: list[Any] = []
-    run_start = run_bytes = 0
-    for pos, buf in pieces:
-        n = len(buf)
-        if n >= _SMALL_PIECE:
-            if run:
-                jobs.append((run_start, run))
-                run = []
-            view = memoryview(buf)
-            jobs.extend((pos + i, [view[i : i + _CHUNK]]) for i in range(0, n, _CHUNK))
-        elif n:
-            if run and (run_bytes + n > _RUN_BYTES or len(run) >= _IOV_MAX):
+    run_start = run_bytes = offset = 0
+    known = _SKELETONS.get
+    view_of = _memory_view
+    empty = memoryview(b"")
+    small, run_limit, iov_limit = _SMALL_PIECE, _RUN_BYTES, _IOV_MAX - 2
+    for t in tensors:
+        sk = known((t.shape, t.dtype))  # torch.Size hashes and compares as the tuple key
+        if sk is None:
+            sk = _skeleton(t)
+        n = t.nbytes
+        data = view_of(t.data_ptr(), n, _PyBUF_WRITE) if n else empty
+        skeletons.append(sk)
+        views.append(data)
+        head, tail = sk[0], sk[1]
+        size = len(head) + n + len(tail)
+        if n >= small:
+            # The head ends the current run, the data goes alone, the tail starts the next run.
+            if run and (run_bytes + len(head) > run_limit or len(run) >= iov_limit):
                 jobs.append((run_start, run))
                 run = []
             if not run:
-                run_start, run_bytes = pos, 0
-            run.append(buf)
-            run_bytes += n
+                run_start, run_bytes = offset, 0
+            run.append(head)
+            jobs.append((run_start, run))
+            at = offset + len(head)
+            jobs.extend((at + i, [data[i : i + _CHUNK]]) for i in range(0, n, _CHUNK))
+            run, run_start, run_bytes = [tail], at + n, len(tail)
+        else:
+            if run and (run_bytes + size > run_limit or len(run) >= iov_limit):
+                jobs.append((run_start, run))
+                run = []
+            if not run:
+                run_start, run_bytes = offset, 0
+            if n:
+                run += (head, data, tail)
+            else:
+                run += (head, tail)
+            run_bytes += size
+        offset += size
     if run:
         jobs.append((run_start, run))
-    return jobs
+    return _Plan(skeletons, views, jobs, offset)
 
 
 def _pwritev_all(fd: int, bufs: list[Any], offset: int) -> None:
@@ -532,7 +571,7 @@ def write_fast(
 
     Returns the files written (relative to ``model_dir``) with sizes and xxh3-64 checksums, and
     the layout of the data file with a checksum per segment. With ``sink`` the data file is
-    streamed there (see :func:`write_items`); DCP's small ``.metadata`` is still written locally.
+    streamed there (see :func:`write_data`); DCP's small ``.metadata`` is still written locally.
     """
     os.makedirs(model_dir, exist_ok=True)
     with paused_gc():
@@ -577,37 +616,67 @@ def write_items(
     tensors: list[tuple[str, torch.Tensor]],
     threads: int = 2,
     sink: Upload | None = None,
-    then: Callable[[list[Segment]], None] | None = None,
 ) -> tuple[FileEntry, list[Segment], list[int]]:
     """Write each tensor as one ``torch.save`` blob, one after another, into a new file at ``data_path``.
 
     Tensors must be contiguous CPU tensors (see :func:`exact`); only each one's own bytes are written.
     Returns the file's size and checksum, its segments (head, data, tail of each tensor, in
     order, each with its checksum) and where each tensor's blob starts. With ``sink`` the bytes
-    are streamed there instead (an object-store upload; ``data_path`` is not written), and the
-    sink is closed (or aborted on failure). ``then(segments)`` runs once the segments are known,
-    while the file is being flushed to disk (the caller's own bookkeeping overlaps the flush);
-    this returns after both.
+    are streamed there instead (see :func:`write_data`).
     """
     with paused_gc():
-        items = []
-        offset = 0
-        for fqn, t in tensors:
-            head, tail, head_sum, tail_sum = _skeleton(t)
-            data = _borrowed_view(t)  # ``tensors`` holds t until the writes are done
-            items.append((fqn, head, data, tail, offset, head_sum, tail_sum))
-            offset += len(head) + len(data) + len(tail)
-        total = offset
-        if sink is None:
-            pieces: list[tuple[int, Any]] = []
-            for _, head, data, tail, start, _, _ in items:
-                pieces += ((start, head), (start + len(head), data), (start + len(head) + len(data), tail))
-            jobs = _gather(pieces)
+        plan = _plan_writes([t for _, t in tensors])
+    entry, data_sums = _write_planned(data_path, plan, threads, sink, None)
+    with paused_gc():
+        segments: list[Segment] = []
+        starts: list[int] = []
+        new = _new_segment
+        start = 0
+        for (fqn, _), (head, tail, head_sum, tail_sum), data, data_sum in zip(
+            tensors, plan.skeletons, plan.views, data_sums, strict=True
+        ):
+            at = start + len(head)
+            n = len(data)
+            segments += (
+                new(Segment, ("head", fqn, start, len(head), head_sum)),
+                new(Segment, ("data", fqn, at, n, data_sum)),
+                new(Segment, ("tail", fqn, at + n, len(tail), tail_sum)),
+            )
+            starts.append(start)
+            start = at + n + len(tail)
+    return entry, segments, starts
+
+
+def write_data(
+    data_path: str,
+    tensors: list[torch.Tensor],
+    threads: int = 2,
+    sink: Upload | None = None,
+    then: Callable[[list[str]], None] | None = None,
+) -> tuple[FileEntry, list[str]]:
+    """Write each tensor as one ``torch.save`` blob, one after another, into a new file at ``data_path``.
+
+    Tensors must be contiguous CPU tensors (see :func:`exact`). Returns the file's size and
+    checksum and each tensor's data checksum, in order (its head and tail are its skeleton's:
+    :func:`skeleton_layout`). With ``sink`` the bytes are streamed there instead (an object-store
+    upload; ``data_path`` is not written), and the sink is closed (or aborted on failure).
+    ``then(data_sums)`` runs once the checksums are known, while the file is being flushed to
+    disk (the caller's own bookkeeping overlaps the flush); this returns after both.
+    """
+    with paused_gc():
+        plan = _plan_writes(tensors)
+    return _write_planned(data_path, plan, threads, sink, then)
+
+
+def _write_planned(
+    data_path: str, plan: _Plan, threads: int, sink: Upload | None, then: Callable[[list[str]], None] | None
+) -> tuple[FileEntry, list[str]]:
     if sink is not None:
-        out = _stream_items(sink, items, total)
+        out = _stream_planned(sink, plan)
         if then is not None:
             then(out[1])
         return out
+    total = plan.total
     fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         if total:
@@ -619,46 +688,37 @@ def write_items(
 
         whole = new_hasher()
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-write") as pool:
-            pending = [pool.submit(write_job, j) for j in jobs]
+            pending = [pool.submit(write_job, j) for j in plan.jobs]
             # Hash while the writers run (xxhash releases the GIL), each call made from C through
-            # map: a Python loop of four calls per tensor cost more than hashing a small tensor.
-            data_sums = list(map(xxhash.xxh3_64_hexdigest, (it[2] for it in items)))
-            deque(map(whole.update, (b for it in items for b in it[1:4])), maxlen=0)
+            # map: a Python loop of calls per tensor cost more than hashing a small tensor. The
+            # jobs hold every byte of the file in order, so the whole file's hash is fed from them.
+            data_sums = list(map(xxhash.xxh3_64_hexdigest, plan.views))
+            update = whole.update
+            for _, bufs in plan.jobs:
+                deque(map(update, bufs), maxlen=0)
             for fut in pending:
                 fut.result()
-            # The flush waits on the disk (~0.1 s for 150 MB here): the per-piece bookkeeping,
-            # this function's and the caller's, runs beside it instead of after it.
+            # The flush waits on the disk (~0.1 s for 150 MB here): the caller's per-piece
+            # bookkeeping runs beside it instead of after it.
             flushed = pool.submit(os.fsync, fd)
             try:
-                with paused_gc():
-                    segments: list[Segment] = []
-                    new = _new_segment
-                    for (fqn, head, data, tail, start, head_sum, tail_sum), data_sum in zip(
-                        items, data_sums, strict=True
-                    ):
-                        at = start + len(head)
-                        segments += (
-                            new(Segment, ("head", fqn, start, len(head), head_sum)),
-                            new(Segment, ("data", fqn, at, len(data), data_sum)),
-                            new(Segment, ("tail", fqn, at + len(data), len(tail), tail_sum)),
-                        )
                 if then is not None:
-                    then(segments)
+                    then(data_sums)
             finally:
                 # Also on the way out of an error: the file is closed only after its flush.
                 flushed.result()
     finally:
         os.close(fd)
-    return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
+    return FileEntry(total, whole.hexdigest()), data_sums
 
 
-def _stream_items(sink: Upload, items: list[Any], total: int) -> tuple[FileEntry, list[Segment], list[int]]:
-    """The bytes of ``items`` in file order into ``sink``, hashed in the same pass (the upload
+def _stream_planned(sink: Upload, plan: _Plan) -> tuple[FileEntry, list[str]]:
+    """The bytes of ``plan`` in file order into ``sink``, hashed in the same pass (the upload
     copies them into parts of its own, so memory stays a few parts whatever the file's size)."""
-    segments: list[Segment] = []
+    data_sums: list[str] = []
     whole = new_hasher()
     try:
-        for fqn, head, data, tail, start, head_sum, tail_sum in items:
+        for (head, tail, _, _), data in zip(plan.skeletons, plan.views, strict=True):
             sink.write(head)
             whole.update(head)
             h = new_hasher()
@@ -669,17 +729,12 @@ def _stream_items(sink: Upload, items: list[Any], total: int) -> tuple[FileEntry
                 whole.update(piece)
             sink.write(tail)
             whole.update(tail)
-            at = start + len(head)
-            segments += (
-                Segment("head", fqn, start, len(head), head_sum),
-                Segment("data", fqn, at, len(data), h.hexdigest()),
-                Segment("tail", fqn, at + len(data), len(tail), tail_sum),
-            )
+            data_sums.append(h.hexdigest())
         sink.close()
     except BaseException:
         sink.abort()
         raise
-    return FileEntry(total, whole.hexdigest()), segments, [it[4] for it in items]
+    return FileEntry(plan.total, whole.hexdigest()), data_sums
 
 
 def _reduce_by_state(obj: Any) -> tuple[Any, ...]:

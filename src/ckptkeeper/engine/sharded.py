@@ -75,7 +75,7 @@ from .fastio import (
     segment_mismatch,
     skeleton_layout,
     skeleton_sums,
-    write_items,
+    write_data,
     write_synced,
 )
 from .gcpause import paused_gc
@@ -127,7 +127,8 @@ _OLD_TABLE_PREFIX = f"{MODEL_DIR}/.ckptkeeper-layout-"
 _REGIONS: dict[Any, Any] = {}
 _REMOTE_PART = 16 << 20
 _BY_SPEC_ID: dict[int, list[Any]] = {}
-"""[weak reference to the spec, its hash then, world size, box, writer or None] by ``id(spec)``.
+"""[weak reference to the spec, its hash then, world size, box, writer or None, a save's piece
+facts or None] by ``id(spec)``.
 
 A front for :data:`_REGIONS` and :data:`_SPEC_WRITERS`, which are keyed by the spec's value:
 FSDP2 makes a spec object per parameter group, equal to the other groups' for a parameter of the
@@ -156,7 +157,7 @@ def _keep_spec_box(spec: Any, world: int, box: Any) -> None:
         return
     if len(_BY_SPEC_ID) > 1 << 16:
         _BY_SPEC_ID.clear()
-    _BY_SPEC_ID[id(spec)] = [weakref.ref(spec), h, world, box, None]
+    _BY_SPEC_ID[id(spec)] = [weakref.ref(spec), h, world, box, None, None]
 
 
 def shard_name(rank: int) -> str:
@@ -293,7 +294,26 @@ def _local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[
     pieces: list[Piece | None] = []
     plain: list[tuple[int, str, tuple[str, ...], torch.Tensor, tuple[int, ...], tuple[int, ...], int]] = []
     writers = _SPEC_WRITERS
+    by_id = _BY_SPEC_ID
+    new, append = tuple.__new__, pieces.append
     for fqn, path, value in leaves:
+        if type(value) is DTensor:
+            # A spec already seen, unchanged, whose writer and box are known (FSDP2's shards after
+            # the first save): one look-up and the local shard's checks, nothing else per tensor.
+            spec = value._spec
+            hit = by_id.get(id(spec))
+            if (
+                hit is not None
+                and hit[5] is not None
+                and hit[0]() is spec
+                and hit[2] == world
+                and hit[1] == spec.__dict__.get("_hash")
+            ):
+                local_shape, offsets, shape, writer = hit[5]
+                local = value._local_tensor
+                if local.shape == local_shape and local.is_cpu and not local.is_sparse and not local.is_quantized:
+                    append(new(Piece, (fqn, path, local, offsets, shape, writer)))
+                    continue
         region = _region(value, world)
         if region is None or not _usable(region[0]):
             return None
@@ -325,6 +345,10 @@ def _local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[
                         writers[spec] = writer
                         if entry is not None:
                             entry[4] = writer
+                if entry is not None and entry[4] is not None:
+                    # For the look-up above: the same facts, kept by this spec object (a spec whose
+                    # shard is empty or whose tensor has no elements never gets here).
+                    entry[5] = (entry[3][0], offsets, shape, entry[4])
             pieces.append(Piece(fqn, path, local, offsets, shape, writer))
         else:
             plain.append((len(pieces), fqn, path, local, offsets, shape, local.numel() * local.element_size()))
@@ -396,33 +420,34 @@ def write_shard(
     # too: its pauses are kept to the table building, never around the writes).
     with paused_gc():
         mine = [p for p in pieces if p.writer]
-        tensors = [(p.fqn, exact(p.tensor)) for p in mine]
+        tensors = [exact(p.tensor) for p in mine]
     name = shard_name(rank)
     table = os.path.join(os.path.dirname(model_dir), table_name(rank))
     made: list[tuple[ShardLayout, FileEntry, tuple[str, ...]]] = []
 
-    def write_table(segments: list[Segment]) -> None:
+    def write_table(data_sums: list[str]) -> None:
         # Run while the data file is flushed: the table's per-piece columns and its own write.
         with paused_gc():
             kinds: dict[tuple[Any, ...], int] = {}
             column = []
             odd = []
-            for i, (p, (_, t)) in enumerate(zip(mine, tensors, strict=True)):
-                key = (t.dtype, p.global_shape, p.offsets, tuple(t.shape))
+            for i, (p, t) in enumerate(zip(mine, tensors, strict=True)):
+                # t.shape (a torch.Size) finds the tuple-keyed kind; a new kind is kept as tuples.
+                key = (t.dtype, p.global_shape, p.offsets, t.shape)
                 k = kinds.get(key)
                 if k is None:
-                    k = kinds[key] = len(kinds)
+                    k = kinds[(t.dtype, p.global_shape, p.offsets, tuple(t.shape))] = len(kinds)
                 column.append(k)
-                if p.path != tuple(p.fqn.split(".")):
+                # The path is the name split at its dots unless a key holds a dot itself.
+                if len(p.path) != p.fqn.count(".") + 1:
                     odd.append((i, p.path))
             layout = ShardLayout(tuple(p.fqn for p in mine), tuple(kinds), tuple(column), tuple(odd))
-            data_sums = [segments[3 * i + 1].xxh3_64 for i in range(len(mine))]
             encoded = _encode_table(f"{MODEL_DIR}/{name}", layout, data_sums)
             whole = _whole_kinds(layout.kinds)
             whole_sums = tuple(data_sums[i] for i, k in enumerate(column) if whole[k])
         made.append((layout, write_synced(table, encoded), whole_sums))
 
-    entry, _, _ = write_items(os.path.join(model_dir, name), tensors, threads, sink, then=write_table)
+    entry, _ = write_data(os.path.join(model_dir, name), tensors, threads, sink, then=write_table)
     layout, table_entry, whole_sums = made[0]
     return {f"{MODEL_DIR}/{name}": entry, table_name(rank): table_entry}, layout, whole_sums
 
