@@ -46,7 +46,7 @@ from .saving import (
     write_checkpoint,
 )
 from .staging import Stager
-from .state import TrainingState
+from .state import TrainingState, capture_to_write
 
 __all__ = ["CheckpointInfo", "Checkpointer", "SaveResult", "SaveStage"]
 
@@ -147,7 +147,7 @@ class Checkpointer:
         self.wait()
         # The caller waits for the whole save: the collector's pauses cost it nothing here.
         with paused_gc():
-            tensors, meta = state.capture()
+            tensors, meta = capture_to_write(state)
             payload = train_payload(step, train_state, meta)
             result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked)
         emit_save(result, is_async=False)
@@ -178,7 +178,7 @@ class Checkpointer:
             # (every rank starts the same saves, so every rank creates it at the same call).
             self.process_group = D.new_cpu_group()
         with paused_gc():
-            tensors, meta = state.capture()
+            tensors, meta = capture_to_write(state)
             need = tensor_bytes(tensors)
         over_here = self.staging_budget_bytes is not None and need > self.staging_budget_bytes
         # All ranks take the same way (error, sync or async), or some would wait in a save the

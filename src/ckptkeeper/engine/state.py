@@ -39,6 +39,7 @@ __all__ = [
     "SavedTensor",
     "Stateful",
     "TrainingState",
+    "capture_to_write",
     "flatten_tensors",
     "merge_trees",
     "split_tensors",
@@ -263,13 +264,37 @@ def _canonical_fqn(model: nn.Module, name: str, names: dict[str, str] | None = N
     return found
 
 
-def _param_fqns(model: nn.Module) -> dict[torch.Tensor, str]:
-    """Each parameter of ``model`` (tied ones once, as DCP does) with its checkpoint name."""
-    names = _names_of(model)
-    return {p: _canonical_fqn(model, name, names) for name, p in model.named_parameters()}
+_UNSET: Any = object()
 
 
-def model_state_dict(model: nn.Module) -> dict[str, Any]:
+def _param_fqns(model: nn.Module, names: dict[str, str] | None = _UNSET) -> dict[int, str]:
+    """Each parameter of ``model`` (tied ones once, as DCP does) with its checkpoint name, by the
+    parameter's ``id`` (the caller holds the model, so the ids stay its parameters').
+
+    The names ``named_parameters()`` gives, in its order, from a walk over the modules' own dicts:
+    its generator per module and a Python-level tensor hash per parameter cost as much as the
+    rest of an optimizer's capture at thousands of parameters. ``names``: :func:`_names_of`'s
+    answer when the caller has it already.
+    """
+    if names is _UNSET:
+        names = _names_of(model)
+    out: dict[int, str] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:  # pre-order, children in order, each module once: named_modules()'s walk
+        prefix, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for key, p in module._parameters.items():
+            if p is not None and id(p) not in out:
+                out[id(p)] = _canonical_fqn(model, f"{prefix}.{key}" if prefix else key, names)
+        children = [(f"{prefix}.{key}" if prefix else key, m) for key, m in module._modules.items() if m is not None]
+        stack.extend(reversed(children))
+    return out
+
+
+def model_state_dict(model: nn.Module, detached: bool = True, names: dict[str, str] | None = _UNSET) -> dict[str, Any]:
     """What ``get_model_state_dict(model)`` returns (default options), in a fraction of the time.
 
     DCP's version checks its options and renames every key with a walk over the modules on each
@@ -283,10 +308,15 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     with paused_gc():
         # keep_vars, then detached here: a DTensor's detach() goes through DTensor's dispatcher
         # (~20 us); rewrapping its detached shard under its own spec gives the same tensor.
-        sd = {key: _detached(value) for key, value in model.state_dict(keep_vars=True).items()}
+        # A save, which only reads the bytes, takes the tensors as they are (detached=False):
+        # rewrapping cost a few microseconds per parameter.
+        sd = model.state_dict(keep_vars=True)
+        if detached:
+            sd = {key: _detached(value) for key, value in sd.items()}
         if not sd:
             return get_model_state_dict(model)
-        names = _names_of(model)
+        if names is _UNSET:
+            names = _names_of(model)
         renamed = {key: fqn for key in sd if (fqn := _canonical_fqn(model, key, names)) != key}
         if not renamed:
             return sd
@@ -421,14 +451,17 @@ def _uses_fsdp1(model: nn.Module) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in _all_modules(model))
 
 
-def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The checkpoint names of each param group's parameters, in the optimizer's order."""
-    fqn_of = _param_fqns(model)
+def _optimizer_params(
+    model: nn.Module, optimizer: torch.optim.Optimizer, known: dict[str, str] | None = _UNSET
+) -> list[list[str]]:
+    """The checkpoint names of each param group's parameters, in the optimizer's order
+    (``known``: :func:`_names_of`'s answer when the caller has it already)."""
+    fqn_of = _param_fqns(model, known)
     out: list[list[str]] = []
     for i, group in enumerate(optimizer.param_groups):
         names = []
         for p in group["params"]:
-            fqn = fqn_of.get(p)
+            fqn = fqn_of.get(id(p))
             if fqn is None:
                 raise ConfigurationError(
                     f"optimizer param group {i} holds a parameter of shape {list(p.shape)} that is not in the model; "
@@ -439,14 +472,16 @@ def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return out
 
 
-def _optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, known: dict[str, str] | None = _UNSET
+) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name, in DCP's layout, without touching the optimizer.
 
     DCP's ``get_state_dict`` first runs a step with zero gradients when the optimizer has no state
     yet, which changes the run (AdamW's ``step`` starts one higher); this reads what is there.
     """
     osd = optimizer.state_dict()
-    names = [fqn for group in _optimizer_params(model, optimizer) for fqn in group]
+    names = [fqn for group in _optimizer_params(model, optimizer, known) for fqn in group]
     # state_dict() numbers the parameters in param_groups order, which is the order of `names`.
     state = {names[pid]: value for pid, value in osd["state"].items()}
     groups = [
@@ -725,18 +760,24 @@ class TrainingState:
 
     # ------------------------------------------------------------------ capture
 
-    def _full(self) -> dict[str, Any]:
+    def _full(self, detached: bool = True) -> dict[str, Any]:
         if self.optimizer is not None and _uses_fsdp1(self.model):
             # FSDP1's flat parameters need DCP's own conversion (which initialises empty state).
             msd, osd = get_state_dict(self.model, self.optimizer)
         else:
-            msd = model_state_dict(self.model)
-            osd = _optimizer_state_dict(self.model, self.optimizer) if self.optimizer is not None else {}
+            names = _names_of(self.model)  # asked once for both
+            msd = model_state_dict(self.model, detached, names)
+            osd = _optimizer_state_dict(self.model, self.optimizer, names) if self.optimizer is not None else {}
         return {"model": msd, "optim": osd, "extra": {k: v.state_dict() for k, v in self.extra.items()}}
 
     def capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(tensor tree, JSON tree) of the current state, changing nothing. Tensors may alias live state."""
         return split_tensors(self._full())
+
+    def _capture_to_write(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        # What capture() returns, but the model's tensors as the model holds them (parameters not
+        # detached): a save only reads their bytes (see capture_to_write).
+        return split_tensors(self._full(detached=False))
 
     # ------------------------------------------------------------------ restore
 
@@ -1055,6 +1096,18 @@ class TrainingState:
             self.optimizer.state, self.optimizer.param_groups = plan.undo["optim"]
         for name, (old_t, old_m) in plan.undo["extra"].items():
             self.extra[name].load_state_dict(merge_trees(old_m, old_t))
+
+
+def capture_to_write(state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``state.capture()`` for a save, which only reads the tensors' bytes.
+
+    A :class:`TrainingState` (whose ``capture`` nobody replaced) hands out its parameters without
+    detaching each (see :func:`model_state_dict`): the fast writers and the stager read their
+    bytes only, and DCP's writer saves parameters as they are.
+    """
+    if type(state).capture is TrainingState.capture and isinstance(state, TrainingState):
+        return state._capture_to_write()
+    return cast("tuple[dict[str, Any], dict[str, Any]]", state.capture())
 
 
 def _pruned(tree: Mapping[str, Any]) -> dict[str, Any]:
