@@ -240,9 +240,36 @@ def test_reads_fill_every_destination_exactly_with_backups_first(tmp_path: Path,
     assert sorted(backed) == sorted(set(_tensors()) - {"big"})
 
 
+def test_destinations_sharing_memory_are_read_through_a_buffer(tmp_path: Path) -> None:
+    reads, dests = _reads(tmp_path, 0)
+    shared = dests["w1"]  # w2 is read into w1's memory too: each piece is checked before its copy
+    reads = [r._replace(dest=shared) if r.fqn == "w2" else r for r in reads]
+    backed: list[str] = []
+    read_flat(LocalSource(str(tmp_path / "model_and_optim")), reads, True, 2, None, backed.extend)
+    assert torch.equal(shared, _local("w2", 0))  # the later piece in file order, as copies land
+    assert torch.equal(dests["w3"], _local("w3", 0))
+
+
+class _Buffered:
+    """A local source without scatter reads: what an object store's source is to the reader."""
+
+    def __init__(self, model_dir: str) -> None:
+        self._local = LocalSource(model_dir)
+        self.where = model_dir
+
+    def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+        self._local.read_into(rel, offset, view)
+
+    def close(self) -> None:
+        self._local.close()
+
+
+@pytest.mark.parametrize("how", ["scatter", "buffered", "no backup"])
 @pytest.mark.parametrize(("fqn", "kind"), [("w3", "head"), ("w3", "data"), ("w3", "tail"), ("s0", "data"),
                                            ("big", "head"), ("big", "data"), ("big", "tail")])  # fmt: skip
-def test_a_flipped_byte_is_named_and_nothing_of_its_job_is_written(tmp_path: Path, fqn: str, kind: str) -> None:
+def test_a_flipped_byte_is_named_and_nothing_of_its_job_is_unguarded(
+    tmp_path: Path, fqn: str, kind: str, how: str
+) -> None:
     reads, dests = _reads(tmp_path, 0)
     read = next(r for r in reads if r.fqn == fqn)
     k = read.kind
@@ -256,17 +283,30 @@ def test_a_flipped_byte_is_named_and_nothing_of_its_job_is_written(tmp_path: Pat
     raw[at[kind]] ^= 0x40
     data_file.write_bytes(bytes(raw))
     backed: list[str] = []
+    model_dir = str(tmp_path / "model_and_optim")
+    source = _Buffered(model_dir) if how == "buffered" else LocalSource(model_dir)
+    backup = None if how == "no backup" else backed.extend
+    small = [n for n in dests if n != "big"]
+
+    def unchanged(names: list[str]) -> bool:
+        return all(torch.equal(dests[n], torch.full_like(dests[n], 5)) for n in names)
+
     with pytest.raises(CorruptCheckpointError, match=rf"{fqn} \({kind}\)"):
-        read_flat(LocalSource(str(tmp_path / "model_and_optim")), reads, True, 2, None, backed.extend)
+        read_flat(source, reads, True, 2, None, backup)
     if fqn != "big":
-        # Every small piece lies in one job here: its checksums fail before a byte is copied.
-        assert all(torch.equal(dests[n], torch.full_like(dests[n], 5)) for n in dests if n != "big")
-        assert backed == []
+        # Every small piece lies in one job here. Read through a buffer (an object store's source,
+        # or with no backup to put them back), its checksums fail before a byte is copied; read
+        # straight into the tensors, each was backed up before its read started (the loader puts
+        # them back from there).
+        if how == "scatter":
+            assert sorted(backed) == sorted(small)
+        else:
+            assert unchanged(small) and backed == []
     elif kind != "data":
-        assert torch.equal(dests["big"], torch.full_like(dests["big"], 5))  # its head/tail are checked first
+        assert unchanged(["big"])  # its head/tail are checked first
     # check_stored (a load without a backup checks every segment first) finds the same damage.
     with pytest.raises(CorruptCheckpointError, match=rf"{fqn} \({kind}\)"):
-        check_stored(LocalSource(str(tmp_path / "model_and_optim")), flat_segments(reads))
+        check_stored(LocalSource(model_dir), flat_segments(reads))
 
 
 def test_a_truncated_data_file_is_refused(tmp_path: Path) -> None:

@@ -71,6 +71,7 @@ from .fastio import (
     fetch_and_place,
     parse_layout,
     pread_full,
+    preadv_full,
     saved_from_table,
     segment_mismatch,
     skeleton_layout,
@@ -1049,6 +1050,10 @@ class LocalSource:
 
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
         pread_full(self._fd(rel), view, offset, os.path.join(self.where, rel))
+
+    def read_scatter(self, rel: str, offset: int, views: list[memoryview]) -> None:
+        """Fill ``views`` one after another from ``rel`` at ``offset`` (scatter reads; ``views`` is consumed)."""
+        preadv_full(self._fd(rel), views, offset, os.path.join(self.where, rel))
 
     def close(self) -> None:
         with self._lock:
