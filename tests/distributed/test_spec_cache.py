@@ -95,3 +95,22 @@ def test_a_save_takes_the_kept_facts_only_for_the_same_unchanged_spec(mesh: Devi
     # A local shard that no longer has the box's shape: not taken (DCP's writer gets the state).
     d._local_tensor = torch.randn(3, 4)
     assert local_pieces({"w": d}, 0, 1) is None
+
+
+def test_a_load_plan_takes_the_kept_box_only_for_the_same_unchanged_spec(mesh: DeviceMesh) -> None:
+    from ckptkeeper.engine.flatload import FlatIndex, NotPlaced, plan_flat
+    from ckptkeeper.engine.state import SavedTensor
+
+    d = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    index = FlatIndex({"w": SavedTensor((8, 4), torch.float32)}, {})  # knows no piece of it
+    for _ in range(2):  # the second plan takes the box the first one kept
+        with pytest.raises(NotPlaced):
+            plan_flat({"w": d}, index, 1)
+    d._spec.placements = (Partial(),)  # changed in place: a pending sum has no box
+    assert plan_flat({"w": d}, index, 1) is None
+    d._spec.placements = (Shard(0),)
+    with pytest.raises(NotPlaced):
+        plan_flat({"w": d}, index, 1)  # looked at again, and kept again
+    assert _BY_SPEC_ID[id(d._spec)][1] == d._spec.__dict__.get("_hash")
+    d._local_tensor = torch.randn(3, 4)  # no longer the box's shape
+    assert plan_flat({"w": d}, index, 1) is None

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 import xxhash
+from torch.distributed.tensor import DTensor
 
 from .fastio import (
     _SMALL_PIECE,
@@ -43,12 +44,14 @@ from .fastio import (
 from .loader import _memmove_holding_gil
 from .sharded import (
     _JOB_RUNS,
+    _NO_BOX,
     _RUN_BYTES,
     INDEX_FILE,
     JobBuffers,
     KindFacts,
     Source,
     _region,
+    _spec_entry,
     _usable,
     bad_table_piece,
     check_whole,
@@ -136,24 +139,39 @@ def plan_flat(tensors: Mapping[str, Any], index: FlatIndex, world: int) -> list[
     would). :class:`NotPlaced` when a destination is not exactly one piece of ``index``."""
     reads: list[FlatRead] = []
     saved, spots = index.saved, index.spots
+    new, append = tuple.__new__, reads.append
     for order, (fqn, _, value) in enumerate(_leaves(tensors)):
-        region = _region(value, world)
-        if region is None:
-            return None
-        local, offsets, _ = region  # the global shape was checked by plan_load
+        hit = _spec_entry(value._spec, world) if type(value) is DTensor else None
+        if hit is not None:
+            # _region's answer for a spec object it has seen, without its call and checks.
+            local, box = value._local_tensor, hit[3]
+            if box is _NO_BOX or local.shape != box[0]:
+                return None
+            offsets = box[1]
+        else:
+            region = _region(value, world)
+            if region is None:
+                return None
+            local, offsets, _ = region  # the global shape was checked by plan_load
         info = saved.get(fqn)
-        if info is None or info.dtype != local.dtype or not _usable(local) or not local.is_contiguous():
-            return None
-        if local.is_conj() or local.is_neg():
+        if (
+            info is None
+            or info.dtype != local.dtype
+            or not _usable(local)
+            or not local.is_contiguous()
             # Its memory holds the conjugated or negated values: raw bytes copied there would load
             # them wrong (found by an outside attack). DCP's reader copies through the view.
+            or local.is_conj()
+            or local.is_neg()
+        ):
             return None
-        if local.numel() == 0:
-            continue
         spot = spots.get(fqn)
-        if spot is None or spot[2].offsets != offsets or spot[2].sizes != tuple(local.shape):
+        if spot is None or spot[2].offsets != offsets or local.shape != spot[2].sizes:
+            if local.numel() == 0:
+                continue  # nothing to read (an empty shard): placed or not
             raise NotPlaced(fqn)
-        reads.append(FlatRead(spot[0], spot[1], order, spot[2], spot[3], fqn, local))
+        if spot[2].nbytes:
+            append(new(FlatRead, (spot[0], spot[1], order, spot[2], spot[3], fqn, local)))
     reads.sort()
     return reads
 

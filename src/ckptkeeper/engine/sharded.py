@@ -295,21 +295,13 @@ def _local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[
     pieces: list[Piece | None] = []
     plain: list[tuple[int, str, tuple[str, ...], torch.Tensor, tuple[int, ...], tuple[int, ...], int]] = []
     writers = _SPEC_WRITERS
-    by_id = _BY_SPEC_ID
     new, append = tuple.__new__, pieces.append
     for fqn, path, value in leaves:
         if type(value) is DTensor:
             # A spec already seen, unchanged, whose writer and box are known (FSDP2's shards after
             # the first save): one look-up and the local shard's checks, nothing else per tensor.
-            spec = value._spec
-            hit = by_id.get(id(spec))
-            if (
-                hit is not None
-                and hit[5] is not None
-                and hit[0]() is spec
-                and hit[2] == world
-                and hit[1] == spec.__dict__.get("_hash")
-            ):
+            hit = _spec_entry(value._spec, world)
+            if hit is not None and hit[5] is not None:
                 local_shape, offsets, shape, writer = hit[5]
                 local = value._local_tensor
                 if local.shape == local_shape and local.is_cpu and not local.is_sparse and not local.is_quantized:
