@@ -59,7 +59,7 @@ from .sharded import (
     shard_name,
     write_shard,
 )
-from .state import flatten_tensors
+from .state import detached_tree, flatten_tensors
 
 __all__ = ["SaveResult", "SaveSettings", "SaveStage", "final_path", "quiet_dcp", "tensor_bytes", "write_checkpoint"]
 
@@ -235,8 +235,12 @@ def write_checkpoint(
                 upload = sink(f"{MODEL_DIR}/{DATA_FILE}")
                 out = write_fast(model_dir, leaves, threads=settings.io_threads, sink=upload)
             else:
-                check_plain(tensors)
-                _write_with_dcp(settings, model_dir, tensors, world)
+                # As capture() gives them: a save's capture leaves parameters as the model holds
+                # them (a Parameter subclass would be refused below, and DCP would record
+                # requires_grad in its metadata).
+                plain = detached_tree(tensors)
+                check_plain(plain)
+                _write_with_dcp(settings, model_dir, plain, world)
         if out is not None:
             fast_files, segments = out
             written.update({f"{MODEL_DIR}/{k}": v for k, v in fast_files.items()})

@@ -40,6 +40,7 @@ __all__ = [
     "Stateful",
     "TrainingState",
     "capture_to_write",
+    "detached_tree",
     "flatten_tensors",
     "merge_trees",
     "split_tensors",
@@ -982,17 +983,26 @@ class TrainingState:
                 raise CorruptCheckpointError(f"{where}: state_meta.optim is malformed")
             saved_groups = raw
         by_fqn: dict[str, dict[str, SavedTensor]] = {}
+        slots_of = by_fqn.get
         for key, info in saved.items():
             if key.startswith("optim.state."):
-                rest = key[12:]  # len("optim.state.")
                 # The usual key is a parameter's name and a slot without dots: the longest owner,
                 # which _owner would try first, is tried here without the call.
-                cut = rest.rfind(".")
-                fqn = rest[:cut] if cut > 0 and rest[:cut] in own else _owner(rest, own)
-                if fqn is None:
-                    fit.unexpected.append(key)
+                cut = key.rfind(".")
+                fqn: str | None = key[12:cut]  # len("optim.state.")
+                if cut > 12 and fqn in own:
+                    slot = key[cut + 1 :]
                 else:
-                    by_fqn.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = fit.info(key) if info is None else info
+                    rest = key[12:]
+                    fqn = _owner(rest, own)
+                    if fqn is None:
+                        fit.unexpected.append(key)
+                        continue
+                    slot = rest[len(fqn) + 1 :]
+                found = slots_of(fqn)
+                if found is None:
+                    found = by_fqn[fqn] = {}
+                found[slot] = fit.info(key) if info is None else info
         listed = tuple(fit.unexpected)
         fit.unexpected += [
             f"optim.state.{fqn}"
@@ -1109,13 +1119,24 @@ class TrainingState:
 def capture_to_write(state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """``state.capture()`` for a save, which only reads the tensors' bytes.
 
-    A :class:`TrainingState` (whose ``capture`` nobody replaced) hands out its parameters without
-    detaching each (see :func:`model_state_dict`): the fast writers and the stager read their
-    bytes only, and DCP's writer saves parameters as they are.
+    A plain :class:`TrainingState` (not a subclass, its ``capture`` replaced neither on the class
+    nor on the object) hands out its parameters without detaching each (see
+    :func:`model_state_dict`): the fast writers and the stager read their bytes only, and what goes
+    to DCP's writer is detached first (:func:`detached_tree`). Any other state is asked for its
+    own ``capture()``, whatever it does.
     """
-    if type(state).capture is TrainingState.capture and isinstance(state, TrainingState):
+    if type(state) is TrainingState and TrainingState.capture is _CAPTURE and "capture" not in vars(state):
         return state._capture_to_write()
     return cast("tuple[dict[str, Any], dict[str, Any]]", state.capture())
+
+
+_CAPTURE = TrainingState.capture
+
+
+def detached_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``tree`` with every tensor detached as ``capture()`` gives them (a parameter, of a subclass
+    too, becomes a plain tensor; a DTensor is rewrapped under its own spec): for DCP's writer."""
+    return {k: detached_tree(v) if isinstance(v, Mapping) else _detached(v) for k, v in tree.items()}
 
 
 def _pruned(tree: Mapping[str, Any]) -> dict[str, Any]:
