@@ -119,7 +119,7 @@ def bare_load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, ran
                     "step": step,
                     **{k: DTensor.__new__(DTensor, t, spec, requires_grad=False) for k, t in slots.items()},
                 }
-                prefix = f"optim.state.{fqn_of[p]}."
+                prefix = f"optim.state.{fqn_of[id(p)]}."
                 dests += [(prefix + "step", step), *((prefix + k, t) for k, t in slots.items())]
         reads = []
         for fqn, dest in dests:
