@@ -240,3 +240,22 @@ def test_removal_refuses_anything_but_a_step_folder(bad: str) -> None:
 
     with pytest.raises(ConfigurationError, match="refusing to remove"):
         Checkpointer().remove(bad)
+
+
+def test_a_segment_table_is_the_json_of_its_document_save_after_save() -> None:
+    # The layout's part is encoded once and reused: each save's bytes must still be plain JSON.
+    from ckptkeeper.engine.sharded import TABLE_FORMAT, ShardLayout, _encode_table
+
+    kinds = ((torch.float32, (4, 2), (0, 0), (2, 2)), (torch.int64, (), (), ()))
+    layout = ShardLayout(("a.null}", 'b"x', "c"), kinds, (0, 1, 0), ())
+    for sums in (["1", "2", "3"], ["4", "5", "6"]):
+        doc = {
+            "format": TABLE_FORMAT,
+            "file": "model_and_optim/__0_0.distcp",
+            "kinds": [["torch.float32", [4, 2], [0, 0], [2, 2]], ["torch.int64", [], [], []]],
+            "names": list(layout.names),
+            "kind": list(layout.kind),
+            "sums": sums,
+        }
+        encoded = _encode_table("model_and_optim/__0_0.distcp", layout, sums)
+        assert encoded == json.dumps(doc, separators=(",", ":")).encode()

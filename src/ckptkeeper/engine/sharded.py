@@ -684,17 +684,30 @@ def _encode_table(data_rel: str, layout: ShardLayout, data_sums: list[str]) -> b
     decode DCP's metadata; format 1 listed three rows per piece, each naming it again, and a
     10,000-piece table took longer to decode and check than its tensors took to read.
     """
-    doc = {
-        "format": TABLE_FORMAT,
-        "file": data_rel,
-        "kinds": [
-            [str(dtype), list(shape), list(offsets), list(sizes)] for dtype, shape, offsets, sizes in layout.kinds
-        ],
-        "names": layout.names,
-        "kind": layout.kind,
-        "sums": data_sums,
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
+    key = (data_rel, layout)
+    prefix = _TABLE_PARTS.get(key)
+    if prefix is None:
+        # All but the checksums depend on the layout only: encoded once per layout, as the shared
+        # index is (the names are most of a table's bytes).
+        doc = {
+            "format": TABLE_FORMAT,
+            "file": data_rel,
+            "kinds": [
+                [str(dtype), list(shape), list(offsets), list(sizes)] for dtype, shape, offsets, sizes in layout.kinds
+            ],
+            "names": layout.names,
+            "kind": layout.kind,
+            "sums": None,
+        }
+        text = json.dumps(doc, separators=(",", ":"))
+        prefix = text[: text.rindex("null}")].encode()
+        if len(_TABLE_PARTS) >= 2:
+            _TABLE_PARTS.clear()
+        _TABLE_PARTS[key] = prefix
+    return prefix + json.dumps(data_sums, separators=(",", ":")).encode() + b"}"
+
+
+_TABLE_PARTS: dict[Any, bytes] = {}
 
 
 class Stored(NamedTuple):
