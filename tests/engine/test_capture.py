@@ -166,3 +166,79 @@ def test_states_that_are_not_a_training_state_are_asked_for_their_capture(tmp_pa
     for i, state in enumerate(states):
         saved = Checkpointer().save(str(tmp_path / str(i)), 1, state)
         assert Checkpointer().verify(saved.path).step == 1
+
+
+def _with_wrapper_parameter(seed: int) -> nn.Module:
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 4)
+    a = torch.randn(4, 4)
+    model.extra = nn.Parameter(two_tensor.TwoTensor(a, a * 2))
+    return model
+
+
+def test_a_wrapper_subclass_held_as_a_parameter_is_refused_with_its_name(tmp_path: Path) -> None:
+    # Its Parameter flag must not make it pass for a plain tensor (the writer read no memory of its own).
+    from ckptkeeper import CheckpointSaveError
+
+    with pytest.raises(CheckpointSaveError, match=r"model\.extra.*tensor subclass"):
+        Checkpointer().save(str(tmp_path), 1, TrainingState(_with_wrapper_parameter(0)))
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_a_wrapper_subclass_parameter_is_loaded_through_dcp(tmp_path: Path) -> None:
+    src = _with_wrapper_parameter(1)
+    plain = nn.Linear(4, 4)
+    plain.load_state_dict(src.state_dict(), strict=False)
+    plain.extra = nn.Parameter(src.extra.a.detach().clone())  # what a plain model would have saved
+    saved = Checkpointer().save(str(tmp_path), 1, TrainingState(plain))
+    dst = _with_wrapper_parameter(2)
+    # Without room for a backup, as with it: the subclass goes to DCP's reader, not a raw read.
+    Checkpointer(staging_budget_bytes=1).load(saved.path, TrainingState(dst))
+    assert torch.equal(dst.weight, plain.weight) and torch.equal(dst.extra.a, plain.extra)
+
+
+def test_a_model_that_names_its_own_parameters_is_asked(tmp_path: Path) -> None:
+    class Held(nn.Module):
+        """Reports a module it holds outside ``_modules`` through its own named_parameters()."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            object.__setattr__(self, "side", nn.Linear(4, 4))
+
+        def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            for name, p in self.side.named_parameters():
+                yield f"{prefix}.side.{name}" if prefix else f"side.{name}", p
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.side(self.lin(x))
+
+    torch.manual_seed(3)
+    model = Held()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert sorted(_param_fqns(model).values()) == ["lin.bias", "lin.weight", "side.bias", "side.weight"]
+    saved = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt))
+    before = state_digest(model, opt)
+    Checkpointer().load(saved.path, TrainingState(model, opt))
+    assert state_digest(model, opt) == before
+
+
+def test_an_interrupted_load_puts_every_tensor_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptkeeper.engine import fastio
+
+    src = stepped_linear(12, 64, 32)
+    saved = Checkpointer().save(str(tmp_path), 1, src)
+    dst = stepped_linear(13, 64, 32)
+    before = state_digest(dst.model, dst.optimizer)
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt  # Ctrl-C once the run's bytes are in the tensors, before their check
+
+    monkeypatch.setattr(fastio, "check_segments", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Checkpointer().load(saved.path, dst)
+    assert state_digest(dst.model, dst.optimizer) == before

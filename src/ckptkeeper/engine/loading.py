@@ -420,7 +420,7 @@ def _load_verified(
         meta_touched = True
         # OLMo-core keeps hyper-parameters as pickles (not read): the plan kept the current ones.
         agree(lambda: state.apply_load(plan), None, pg, load_error)
-    except (Exception, CheckpointException) as raw:
+    except BaseException as raw:
         if guard is not None:
             guard.restore()
             if meta_touched:
@@ -428,6 +428,10 @@ def _load_verified(
                     state.undo_load(plan)
                 except Exception:
                     log.exception("could not put the optimizer/extra settings back after a failed load")
+        if not isinstance(raw, (Exception, CheckpointException)):
+            # Ctrl-C or SystemExit mid-read: the state is back as it was (reads go straight into
+            # the tensors and are checked there), and the interruption goes on as it is.
+            raise
         inner = unwrap(raw)
         if isinstance(inner, CheckpointError):
             raise inner from raw

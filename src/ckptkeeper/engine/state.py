@@ -280,6 +280,9 @@ def _param_fqns(model: nn.Module, names: dict[str, str] | None = _UNSET) -> dict
     if names is _UNSET:
         names = _names_of(model)
     out: dict[int, str] = {}
+    if _own_walk(model, ("named_parameters", "parameters", "_named_members")):
+        # A model that says itself which parameters it has (torchrec-style modules): asked.
+        return {id(p): _canonical_fqn(model, name, names) for name, p in model.named_parameters()}
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
     while stack:  # pre-order, children in order, each module once: named_modules()'s walk
@@ -287,12 +290,22 @@ def _param_fqns(model: nn.Module, names: dict[str, str] | None = _UNSET) -> dict
         if id(module) in seen:
             continue
         seen.add(id(module))
+        if type(module).named_modules is not _NAMED_MODULES or "named_modules" in module.__dict__:
+            return {id(p): _canonical_fqn(model, name, names) for name, p in model.named_parameters()}
         for key, p in module._parameters.items():
             if p is not None and id(p) not in out:
                 out[id(p)] = _canonical_fqn(model, f"{prefix}.{key}" if prefix else key, names)
         children = [(f"{prefix}.{key}" if prefix else key, m) for key, m in module._modules.items() if m is not None]
         stack.extend(reversed(children))
     return out
+
+
+_NAMED_MODULES = nn.Module.named_modules
+
+
+def _own_walk(model: nn.Module, methods: tuple[str, ...]) -> bool:
+    """Whether ``model`` replaces one of torch's ``methods`` (on its class or on itself)."""
+    return any(getattr(type(model), m) is not getattr(nn.Module, m) or m in model.__dict__ for m in methods)
 
 
 def model_state_dict(model: nn.Module, detached: bool = True, names: dict[str, str] | None = _UNSET) -> dict[str, Any]:
@@ -314,6 +327,11 @@ def model_state_dict(model: nn.Module, detached: bool = True, names: dict[str, s
         sd = model.state_dict(keep_vars=True)
         if detached:
             sd = {key: _detached(value) for key, value in sd.items()}
+        else:
+            # Only tensors of the three plain types are taken as they are: anything else (a tensor
+            # subclass held as a parameter, whose Parameter flag would make it pass for a plain
+            # one) is detached as capture() gives it, and the writers and readers judge that.
+            sd = {key: value if type(value) in _PLAIN else _detached(value) for key, value in sd.items()}
         if not sd:
             return get_model_state_dict(model)
         if names is _UNSET:
