@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckptkeeper import Checkpointer, TrainingState
+from ckptkeeper import Checkpointer, CorruptCheckpointError, TrainingState
 from ckptkeeper.engine.state import (
     _canonical_fqn,
     _names_of,
@@ -242,3 +242,68 @@ def test_an_interrupted_load_puts_every_tensor_back(tmp_path: Path, monkeypatch:
     with pytest.raises(KeyboardInterrupt):
         Checkpointer().load(saved.path, dst)
     assert state_digest(dst.model, dst.optimizer) == before
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, SystemExit])
+def test_an_interruption_inside_dcps_reader_is_raised_as_itself_with_everything_put_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interruption: type[BaseException]
+) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    saved = Checkpointer(writer="dcp").save(str(tmp_path), 1, stepped_linear(14, 8, 4))  # read by DCP's reader
+    dst = stepped_linear(15, 8, 4)
+    before = state_digest(dst.model, dst.optimizer)
+    committed: list[object] = []
+    own = DefaultLoadPlanner.commit_tensor
+
+    def interrupted(self: Any, req: Any, tensor: Any) -> None:
+        own(self, req, tensor)  # one tensor written, then the interruption
+        committed.append(req)
+        raise interruption()
+
+    monkeypatch.setattr(DefaultLoadPlanner, "commit_tensor", interrupted)
+    with pytest.raises(interruption):  # not a CheckpointMismatchError caused by it (DCP wraps it)
+        Checkpointer().load(saved.path, dst)
+    assert committed and state_digest(dst.model, dst.optimizer) == before
+
+
+def test_an_interruption_inside_dcps_writer_is_raised_as_itself_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def interrupted(self: Any, plan: Any, planner: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Checkpointer(writer="dcp").save(str(tmp_path), 1, stepped_linear(16, 8, 4))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_wrapper_subclass_destination_is_backed_up_and_put_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    src = _with_wrapper_parameter(17)
+    plain = nn.Linear(4, 4)
+    plain.load_state_dict(src.state_dict(), strict=False)
+    plain.extra = nn.Parameter(src.extra.a.detach().clone())
+    saved = Checkpointer().save(str(tmp_path), 1, TrainingState(plain))
+    dst = _with_wrapper_parameter(18)
+    before = [t.detach().clone() for t in (dst.weight, dst.bias, dst.extra.a, dst.extra.b)]
+    own = DefaultLoadPlanner.commit_tensor
+    calls: list[object] = []
+
+    def failing(self: Any, req: Any, tensor: Any) -> None:
+        own(self, req, tensor)
+        calls.append(req)
+        if len(calls) == 3:
+            raise OSError("the disk went away")
+
+    monkeypatch.setattr(DefaultLoadPlanner, "commit_tensor", failing)
+    with pytest.raises(CorruptCheckpointError):
+        Checkpointer().load(saved.path, TrainingState(dst))  # default settings: with a backup
+    after = [dst.weight, dst.bias, dst.extra.a, dst.extra.b]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

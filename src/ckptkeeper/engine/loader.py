@@ -200,12 +200,18 @@ class Rollback:
         self._saved: dict[str, int] = {}  # bytes backed up from the start of each tensor
         self._lock = threading.Lock()
         by_storage: dict[int, list[str]] = {}
+        opaque: set[str] = set()
         for name, local in locals_:
             if local.numel():
-                by_storage.setdefault(local.untyped_storage().data_ptr(), []).append(name)
+                try:
+                    by_storage.setdefault(local.untyped_storage().data_ptr(), []).append(name)
+                except RuntimeError:
+                    # A wrapper tensor subclass has no memory of its own (DCP's reader fills it
+                    # through its own copy_): backed up whole, up front, with torch's copies.
+                    opaque.add(name)
         # Tensors that share memory (tied weights) are backed up up front: backed up one at a
         # time, the second copy would be taken after the first name's load had overwritten it.
-        shared = {n for names in by_storage.values() if len(names) > 1 for n in names}
+        shared = {n for names in by_storage.values() if len(names) > 1 for n in names} | opaque
         with torch.no_grad():
             for name, t in self._leaves.items():
                 if not incremental or name in shared:

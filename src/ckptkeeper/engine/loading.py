@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from .. import distributed as D
@@ -428,11 +427,14 @@ def _load_verified(
                     state.undo_load(plan)
                 except Exception:
                     log.exception("could not put the optimizer/extra settings back after a failed load")
-        if not isinstance(raw, (Exception, CheckpointException)):
-            # Ctrl-C or SystemExit mid-read: the state is back as it was (reads go straight into
-            # the tensors and are checked there), and the interruption goes on as it is.
-            raise
         inner = unwrap(raw)
+        if not isinstance(inner, Exception):
+            # Ctrl-C or SystemExit mid-read (DCP's reader wraps it): the state is back as it was
+            # (reads go straight into the tensors and are checked there), and the interruption
+            # goes on as it is.
+            if inner is raw:
+                raise
+            raise inner from None
         if isinstance(inner, CheckpointError):
             raise inner from raw
         if isinstance(inner, OSError):

@@ -308,6 +308,11 @@ def write_checkpoint(
     except (Exception, CheckpointException) as raw:
         exc = unwrap(raw)
         discard_final = final if rank == 0 and stage != "preparing" else None
+        if not isinstance(exc, Exception):
+            # Ctrl-C or SystemExit inside DCP's writer (which wraps it): the save is dropped and
+            # the interruption goes on as it is, not as a save error.
+            commit.discard(work, discard_final)
+            raise exc from None
         if isinstance(exc, CheckpointSaveError):
             commit.discard(work, discard_final)
             # Another rank failed (its message already says where): keep the original chain.
