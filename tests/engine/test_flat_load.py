@@ -341,3 +341,30 @@ def test_destinations_that_are_not_exactly_one_piece_step_aside(tmp_path: Path) 
         plan_flat({"e": torch.zeros(0)}, flat._replace(saved={**flat.saved, "e": SavedTensor((0,), torch.float32)}), 2)
         == []
     )
+
+
+def test_a_run_that_cannot_be_prepared_is_raised_once_the_reads_in_flight_are_done() -> None:
+    import time
+    from collections.abc import Iterator
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptkeeper.engine.fastio import fetch_and_place
+
+    fetched: list[int] = []
+    placed: list[int] = []
+
+    def runs() -> Iterator[int]:  # what a scatter read's preparation (its backup) looks like
+        yield 1
+        yield 2
+        raise RuntimeError("the backup failed")
+
+    def fetch(run: int) -> int:
+        time.sleep(0.05)
+        fetched.append(run)
+        return run
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        with pytest.raises(RuntimeError, match="the backup failed"):
+            fetch_and_place(pool, [], runs(), fetch, lambda run, got: placed.append(got), ahead=3)
+        assert sorted(fetched) == [1, 2]  # nothing still writing when the error came out
+    assert placed == []  # and nothing placed once a run had failed

@@ -34,7 +34,6 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import islice
 from typing import IO, Any, NamedTuple, TypeVar, cast
 
 import torch
@@ -791,7 +790,7 @@ V = TypeVar("V")
 def fetch_and_place(
     pool: ThreadPoolExecutor,
     others: list[Future[Any]],
-    runs: list[R],
+    runs: Iterable[R],
     fetch: Callable[[R], V],
     place: Callable[[R, V], None],
     ahead: int,
@@ -799,15 +798,29 @@ def fetch_and_place(
     """Fetch ``runs`` on ``pool`` (``ahead`` at a time, in order) and ``place`` each in this thread.
 
     Placing many small tensors is Python work per tensor; spread over several threads it only
-    fought over the GIL (measured twice as slow), while fetching releases it. Every job (the
-    fetches and ``others``, already submitted) has stopped before the first error is raised, so
-    nothing writes into a tensor afterwards.
+    fought over the GIL (measured twice as slow), while fetching releases it. ``runs`` is taken
+    one at a time, in this thread, just before each is fetched (a generator may prepare a run
+    there, and what it raises is handled as a failed run). Every job (the fetches and
+    ``others``, already submitted) has stopped before the first error is raised, so nothing
+    writes into a tensor afterwards.
     """
     error: BaseException | None = None
     window: deque[tuple[R, Future[V]]] = deque()
     pending = iter(runs)
-    for run in islice(pending, ahead):
-        window.append((run, pool.submit(fetch, run)))
+
+    def fetch_next() -> None:
+        nonlocal error
+        try:
+            nxt = next(pending, None)
+        except BaseException as failed:  # kept, raised once every reader has stopped
+            error = error or failed
+            return
+        if nxt is not None:
+            window.append((nxt, pool.submit(fetch, nxt)))
+
+    for _ in range(ahead):
+        if error is None:
+            fetch_next()
     while window:
         run, got = window.popleft()
         try:
@@ -816,9 +829,8 @@ def fetch_and_place(
                 place(run, view)
         except BaseException as failed:  # kept, raised once every reader has stopped
             error = error or failed
-        nxt = next(pending, None) if error is None else None
-        if nxt is not None:
-            window.append((nxt, pool.submit(fetch, nxt)))
+        if error is None:
+            fetch_next()
     for done in others:
         exc = done.exception()
         if exc is not None and error is None:

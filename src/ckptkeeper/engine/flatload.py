@@ -22,8 +22,7 @@ general way.
 from __future__ import annotations
 
 import ctypes
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -321,10 +320,16 @@ def read_flat(
         source.close()
 
 
+_Job = tuple[list[tuple[str, int, int]], list[FlatRead]]
+"""A read job: its runs (data file, start, end) and the pieces they hold, in order."""
+_Prepared = tuple[_Job, list[memoryview], list[str]]
+"""A job ready to be read: the buffers its runs fill, in order, and their expected checksums."""
+
+
 def _scatter_jobs(
     pool: ThreadPoolExecutor,
     others: list[Future[Any]],
-    jobs: list[tuple[list[tuple[str, int, int]], list[FlatRead]]],
+    jobs: list[_Job],
     scatter: Callable[[str, int, list[memoryview]], None],
     where: str,
     verify: bool,
@@ -342,30 +347,32 @@ def _scatter_jobs(
     Destinations sharing memory never come here (see :func:`read_flat`).
     """
 
-    def prepare(job: tuple[list[tuple[str, int, int]], list[FlatRead]]) -> tuple[list[memoryview], list[str]]:
-        members = job[1]
-        if back_up_whole is not None:
-            back_up_whole([r.fqn for r in members])
-        elif before_write is not None:
+    def prepared() -> Iterator[_Prepared]:
+        # Taken by fetch_and_place in this thread just before each job's read is started.
+        for job in jobs:
+            members = job[1]
+            if back_up_whole is not None:
+                back_up_whole([r.fqn for r in members])
+            elif before_write is not None:
+                for r in members:
+                    before_write(r.fqn, 0, r.kind.nbytes)
+            scratch = memoryview(bytearray(sum(r.kind.head + r.kind.tail for r in members)))
+            views: list[memoryview] = []
+            want: list[str] = []
+            at = 0
             for r in members:
-                before_write(r.fqn, 0, r.kind.nbytes)
-        scratch = memoryview(bytearray(sum(r.kind.head + r.kind.tail for r in members)))
-        views: list[memoryview] = []
-        want: list[str] = []
-        at = 0
-        for r in members:
-            k = r.kind
-            mid = at + k.head
-            end = mid + k.tail
-            views += (scratch[at:mid], _borrowed_view(r.dest), scratch[mid:end])  # the plan holds r.dest
-            want += (k.head_sum, r.data_sum, k.tail_sum)
-            at = end
-        return views, want
+                k = r.kind
+                mid = at + k.head
+                end = mid + k.tail
+                views += (scratch[at:mid], _borrowed_view(r.dest), scratch[mid:end])  # the plan holds r.dest
+                want += (k.head_sum, r.data_sum, k.tail_sum)
+                at = end
+            yield job, views, want
 
-    def fetch(job: tuple[list[tuple[str, int, int]], list[FlatRead]], views: list[memoryview]) -> None:
+    def fetch(item: _Prepared) -> None:
+        (runs, members), views, _ = item
         i = 0
-        members = job[1]
-        for file, start, end in job[0]:
+        for file, start, end in runs:
             # The members of a run lie one after another from its start: as many as it spans.
             first = i
             pos = start
@@ -375,34 +382,11 @@ def _scatter_jobs(
                 i += 1
             scatter(file, start, views[3 * first : 3 * i])  # a slice: the read consumes its list
 
-    error: BaseException | None = None
-    window: deque[tuple[int, list[str], list[memoryview], Future[None]]] = deque()
-    pending = iter(range(len(jobs)))
+    def check(item: _Prepared, _read: None) -> None:
+        (_, members), views, want = item
+        if verify:
+            got = list(map(xxhash.xxh3_64_hexdigest, views))
+            if got != want:
+                _check(where, members, got)
 
-    def start_next() -> None:
-        k = next(pending, None)
-        if k is not None:
-            views, want = prepare(jobs[k])
-            window.append((k, want, views, pool.submit(fetch, jobs[k], views)))
-
-    try:
-        for _ in range(ahead):
-            start_next()
-        while window:
-            k, want, views, fut = window.popleft()
-            fut.result()
-            if verify:
-                got = list(map(xxhash.xxh3_64_hexdigest, views))
-                if got != want:
-                    _check(where, jobs[k][1], got)
-            start_next()
-    except BaseException as failed:  # raised once every read has stopped writing
-        error = failed
-    for _, _, _, fut in window:
-        exc = fut.exception()
-        error = error or exc
-    for done in others:
-        exc = done.exception()
-        error = error or exc
-    if error is not None:
-        raise error
+    fetch_and_place(pool, others, prepared(), fetch, check, ahead)
