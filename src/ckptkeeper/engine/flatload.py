@@ -28,7 +28,6 @@ from typing import Any, NamedTuple
 
 import torch
 import xxhash
-from torch.distributed.tensor import DTensor
 
 from .fastio import (
     _SMALL_PIECE,
@@ -43,14 +42,12 @@ from .fastio import (
 from .loader import _memmove_holding_gil
 from .sharded import (
     _JOB_RUNS,
-    _NO_BOX,
     _RUN_BYTES,
     INDEX_FILE,
     JobBuffers,
     KindFacts,
     Source,
     _region,
-    _spec_entry,
     _usable,
     bad_table_piece,
     check_whole,
@@ -140,18 +137,10 @@ def plan_flat(tensors: Mapping[str, Any], index: FlatIndex, world: int) -> list[
     saved, spots = index.saved, index.spots
     new, append = tuple.__new__, reads.append
     for order, (fqn, _, value) in enumerate(_leaves(tensors)):
-        hit = _spec_entry(value._spec, world) if type(value) is DTensor else None
-        if hit is not None:
-            # _region's answer for a spec object it has seen, without its call and checks.
-            local, box = value._local_tensor, hit[3]
-            if box is _NO_BOX or local.shape != box[0]:
-                return None
-            offsets = box[1]
-        else:
-            region = _region(value, world)
-            if region is None:
-                return None
-            local, offsets, _ = region  # the global shape was checked by plan_load
+        region = _region(value, world)
+        if region is None:
+            return None
+        local, offsets, _ = region  # the global shape was checked by plan_load
         info = saved.get(fqn)
         if (
             info is None
