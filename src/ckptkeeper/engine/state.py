@@ -279,10 +279,18 @@ def _param_fqns(model: nn.Module, names: dict[str, str] | None = _UNSET) -> dict
     """
     if names is _UNSET:
         names = _names_of(model)
-    out: dict[int, str] = {}
-    if _own_walk(model, ("named_parameters", "parameters", "_named_members")):
-        # A model that says itself which parameters it has (torchrec-style modules): asked.
-        return {id(p): _canonical_fqn(model, name, names) for name, p in model.named_parameters()}
+    walked = None if _own_walk(model, ("named_parameters", "parameters", "_named_members")) else _walk_params(model)
+    if walked is None:
+        # A model or module that says itself which parameters or modules it has (torchrec-style): asked.
+        walked = list(model.named_parameters())
+    return {id(p): _canonical_fqn(model, name, names) for name, p in walked}
+
+
+def _walk_params(model: nn.Module) -> list[tuple[str, Any]] | None:
+    """``list(model.named_parameters())`` from the modules' own dicts; None when a module
+    replaces ``named_modules`` (only its own answer counts then)."""
+    out: list[tuple[str, Any]] = []
+    taken: set[int] = set()
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
     while stack:  # pre-order, children in order, each module once: named_modules()'s walk
@@ -291,10 +299,11 @@ def _param_fqns(model: nn.Module, names: dict[str, str] | None = _UNSET) -> dict
             continue
         seen.add(id(module))
         if type(module).named_modules is not _NAMED_MODULES or "named_modules" in module.__dict__:
-            return {id(p): _canonical_fqn(model, name, names) for name, p in model.named_parameters()}
+            return None
         for key, p in module._parameters.items():
-            if p is not None and id(p) not in out:
-                out[id(p)] = _canonical_fqn(model, f"{prefix}.{key}" if prefix else key, names)
+            if p is not None and id(p) not in taken:
+                taken.add(id(p))
+                out.append((f"{prefix}.{key}" if prefix else key, p))
         children = [(f"{prefix}.{key}" if prefix else key, m) for key, m in module._modules.items() if m is not None]
         stack.extend(reversed(children))
     return out
