@@ -190,3 +190,70 @@ def test_the_commit_method_is_chosen_once_per_storage(tmp_path: Path) -> None:
 
     assert isinstance(commit_method_for(storage_for(str(tmp_path)), remove, None, 2), RenameCommit)
     assert isinstance(commit_method_for(storage_for("memory://c"), remove, None, 2), RecordLastCommit)
+
+
+def test_rollback_backs_up_into_the_staging_buffers_of_the_same_name_shape_and_dtype() -> None:
+    from ckptkeeper.engine.loader import Rollback
+    from ckptkeeper.engine.staging import Stager
+
+    stager = Stager()
+    # What an async save staged: the model and the optimizer, in the save's order.
+    stager.stage_lazily(
+        {
+            "optim": {"state": {"w": {"exp_avg": torch.zeros(4)}}},
+            "model": {"w": torch.zeros(4), "b": torch.zeros(3), "h": torch.zeros(2)},
+        }
+    )
+    staged = dict(stager._buffers)
+    w, b, h = torch.arange(4.0), torch.arange(3, dtype=torch.float64), torch.arange(5.0)
+    # A load's live tensors: a part of the staged layout, in another order; b has another
+    # dtype and h another shape than their buffers, so they get backups of their own.
+    guard = Rollback(stager, {"model": {"h": h, "b": b, "w": w}}, incremental=True)
+    assert guard._buffers == {"model.w": staged["model.w"]}
+    guard.back_up_whole(["model.w", "model.b", "model.h"])
+    assert staged["model.w"].tolist() == [0.0, 1.0, 2.0, 3.0]  # the backup is in the staging buffer
+    for t in (w, b, h):
+        t.fill_(-1)
+    guard.restore()
+    assert w.tolist() == [0.0, 1.0, 2.0, 3.0] and b.tolist() == [0.0, 1.0, 2.0] and h.tolist() == list(range(5))
+
+
+def test_a_failed_load_after_an_async_save_puts_back_the_state_it_found(tmp_path: Path) -> None:
+    from ckptkeeper import CorruptCheckpointError
+    from ckptkeeper.engine.fastio import DATA_FILE
+
+    torch.manual_seed(0)
+    # Many small tensors (read and backed up in runs) and one large one (backed up piece by piece).
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)], torch.nn.Linear(256, 256))
+    with torch.no_grad():
+        model[-1].weight.copy_(torch.arange(256 * 256, dtype=torch.float32).reshape(256, 256) + 1e6)
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    st = TrainingState(model, opt)
+    ckpt = Checkpointer()
+    _, fut = ckpt.save_async(str(tmp_path), 1, st)
+    fut.result()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0).add_(0.5)  # the state the failed load must leave as it was
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before_opt = {(i, k): v.clone() for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+    data = tmp_path / "step1" / "model_and_optim" / DATA_FILE
+    raw = bytearray(data.read_bytes())
+    marker = (torch.arange(64, dtype=torch.float32) + 1e6).numpy().tobytes()
+    at = raw.index(marker) + 200_000  # inside the large weight
+    raw[at] ^= 0x40
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError):
+        ckpt.load(str(tmp_path / "step1"), st)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for i, s in enumerate(opt.state.values()):
+        for k, v in s.items():
+            assert torch.equal(v, before_opt[(i, k)]), (i, k)
+    ckpt.close()

@@ -179,8 +179,9 @@ _memmove_holding_gil = (
 class Rollback:
     """Backs up destination tensors just before they are overwritten, and puts them back on failure.
 
-    The backup lives in a :class:`Stager`'s buffers when the stager already holds buffers for this
-    layout (the ones async saves reuse, so a load costs no memory a save would not); otherwise it
+    A tensor's backup lives in a :class:`Stager`'s buffer when the stager already holds one of
+    the same name, shape and dtype (async saves stage every tensor a load backs up, so a load
+    after one costs no memory a save would not, and no fresh memory to fault in); otherwise it
     is made as tensors are backed up, never more than the tensors' own bytes. With
     ``incremental`` the reader backs up each piece of a tensor just before it reads into it
     (:meth:`before_write` with a byte range), so the copies (memory speed) spread over the reader
@@ -195,7 +196,7 @@ class Rollback:
         locals_ = [(name, local_shard(t)) for name, t in leaves]
         # Allocating a buffer per tensor up front was a sixth of a 10,000-tensor load: without
         # ready stager buffers, backups are made when taken (runs of small tensors in one block).
-        self._buffers = stager.existing_buffers_for_locals(locals_) or {}
+        self._buffers = stager.existing_buffers_by_name(locals_)
         self._blocks: list[tuple[list[str], torch.Tensor]] = []  # (names, one block holding their bytes)
         self._saved: dict[str, int] = {}  # bytes backed up from the start of each tensor
         self._lock = threading.Lock()
@@ -268,24 +269,36 @@ class Rollback:
                 # A load's destinations are detached already (a detach per tensor is not free).
                 group[1].append(t.detach() if t.requires_grad else t)
         with torch.no_grad():
-            for done, src in by_dtype.values():
-                if all(name in self._buffers for name in done):
-                    dst = [self._buffers[name] for name in done]
-                    bulk = getattr(torch, "_foreach_copy_", None)  # one C++ loop; private, so not relied on
-                    if bulk is not None:
-                        bulk(dst, src)
-                    else:
-                        for d, s in zip(dst, src, strict=True):
-                            d.copy_(s)
+            for names_, src_ in by_dtype.values():
+                buffers = self._buffers
+                if buffers:
+                    # Into the buffers the stager holds (no new memory); a block for the rest.
+                    held = [i for i, name in enumerate(names_) if name in buffers]
+                    if held:
+                        dst = [buffers[names_[i]] for i in held]
+                        src = [src_[i] for i in held]
+                        bulk = getattr(torch, "_foreach_copy_", None)  # one C++ loop; private, so not relied on
+                        if bulk is not None:
+                            bulk(dst, src)
+                        else:
+                            for d, s in zip(dst, src, strict=True):
+                                d.copy_(s)
+                    if len(held) != len(names_):
+                        kept = set(held)
+                        rest = [i for i in range(len(names_)) if i not in kept]
+                        self._block([names_[i] for i in rest], [src_[i] for i in rest])
                 else:
-                    # One allocation and one C++ copy loop for the whole group instead of a tensor
-                    # and a copy call per name; taken apart again only if the load fails.
-                    block = _flatten(src)
-                    with self._lock:
-                        self._blocks.append((done, block))
+                    self._block(names_, src_)
                 with self._lock:
-                    for name in done:
+                    for name in names_:
                         self._saved[name] = -1
+
+    def _block(self, names: list[str], src: list[torch.Tensor]) -> None:
+        # One allocation and one C++ copy loop for the whole group instead of a tensor and a copy
+        # call per name; taken apart again only if the load fails.
+        block = _flatten(src)
+        with self._lock:
+            self._blocks.append((names, block))
 
     def restore(self) -> None:
         """Put every backed-up byte back as it was before the load.

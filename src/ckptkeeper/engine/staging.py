@@ -59,12 +59,19 @@ class Stager:
         self._buffers_for([(p, local_shard(t)) for p, t in flatten_tensors(tree)])
         return dict(self._buffers)
 
-    def existing_buffers_for_locals(self, locals_: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
-        """This stager's buffers when it already holds them for exactly the layout of ``locals_``
-        (an already flattened tree of local, per-rank tensors), else None (nothing is allocated)."""
-        if not self._buffers or len(self._buffers) != len(locals_) or _layout_of(locals_) != self._layout:
-            return None
-        return dict(self._buffers)
+    def existing_buffers_by_name(self, locals_: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """This stager's buffers for those of ``locals_`` it holds one of the same name, shape and
+        dtype for (in any order; nothing is allocated). A load backs up its live tensors, a part
+        of what an async save stages, in them."""
+        if not self._buffers:
+            return {}
+        found = {}
+        get = self._buffers.get
+        for name, t in locals_:
+            buf = get(name)
+            if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+                found[name] = buf
+        return found
 
     def _buffers_for(self, locals_: list[tuple[str, torch.Tensor]]) -> None:
         layout = _layout_of(locals_)
