@@ -700,12 +700,18 @@ class CheckpointManager:
         # step earlier than the others would leave them waiting in training collectives.
         if not blocking and not D.all_agree(fut.done()):
             return
-        self._future = None
         try:
             fut.result()
-        finally:
-            # Its outcome is collected here: the next save must not raise the same error again.
-            self.checkpointer.forget(fut)
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled() and fut.exception() is exc:
+                # The save's own error, collected here: the next save must not raise it again.
+                self._future = None
+                self.checkpointer.forget(fut)
+            # Otherwise interrupted while waiting (Ctrl-C): the save is still the one in flight,
+            # awaited again next time.
+            raise
+        self._future = None
+        self.checkpointer.forget(fut)
         if not D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(self._latest_path)):
             raise CheckpointSaveError(
                 f"the save of step {self._latest_step} finished but {self._latest_path} is not a complete checkpoint"

@@ -257,3 +257,111 @@ def test_a_failed_load_after_an_async_save_puts_back_the_state_it_found(tmp_path
         for k, v in s.items():
             assert torch.equal(v, before_opt[(i, k)]), (i, k)
     ckpt.close()
+
+
+def _interrupt_main_after(seconds: float) -> threading.Timer:
+    """Ctrl-C as a terminal sends it, to the main thread (``_thread.interrupt_main`` only sets a
+    flag, which a thread blocked waiting on a lock does not see until it wakes)."""
+    import signal
+
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(seconds, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_an_interrupted_wait_keeps_the_job_tracked_until_it_ends() -> None:
+    from ckptkeeper.engine.async_runner import AsyncRunner
+
+    runner: AsyncRunner[str] = AsyncRunner()
+    go, ended = threading.Event(), threading.Event()
+
+    def job() -> str:
+        go.wait(30)
+        ended.set()
+        raise OSError("disk gone")
+
+    runner.submit(job)
+    _interrupt_main_after(0.1)
+    with pytest.raises(KeyboardInterrupt):
+        runner.wait()  # Ctrl-C while waiting
+    assert runner.in_flight and not ended.is_set()
+    runner.forget(runner._inflight)  # type: ignore[arg-type]  # as a caller that collected it would
+    threading.Timer(0.3, go.set).start()
+    runner.settle()  # still waits for the job: it may be reading buffers
+    assert ended.is_set() and not runner.in_flight
+
+    again: AsyncRunner[str] = AsyncRunner()
+    go.clear()
+    again.submit(job)
+    _interrupt_main_after(0.1)
+    with pytest.raises(KeyboardInterrupt):
+        again.wait()
+    go.set()
+    with pytest.raises(OSError, match="disk gone"):
+        again.wait()  # the outcome was not lost with the interrupted wait
+    assert again.wait() is None  # and it is raised once
+    runner.close()
+    again.close()
+
+
+def test_a_load_after_an_interrupted_wait_does_not_touch_the_buffers_a_save_is_writing(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    opt = torch.optim.AdamW(model.parameters())
+    st = TrainingState(model, opt)
+
+    def train(scale: float) -> None:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, scale)
+        opt.step()
+
+    hold = threading.Event()
+
+    def on_stage(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing tensors":
+            hold.wait(30)  # a slow write of step 1
+
+    ckpt = Checkpointer(on_stage=on_stage)
+    ckpt.save(str(tmp_path), 0, st)
+    train(1.0)
+    at_call = {k: v.clone() for k, v in model.state_dict().items()}
+    _, fut = ckpt.save_async(str(tmp_path), 1, st)
+    train(3.0)  # training goes on
+    _interrupt_main_after(0.2)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.wait()  # Ctrl-C while waiting for step 1
+    assert ckpt.save_in_flight
+    threading.Timer(0.5, hold.set).start()
+    ckpt.load(str(tmp_path / "step0"), st)  # must wait for step 1 before using the staging buffers
+    fut.result()
+    written = _read_tensors(tmp_path / "step1", st)
+    for k, v in at_call.items():
+        assert torch.equal(written[k], v), k
+    ckpt.close()
+
+
+def test_a_forgotten_save_still_running_is_not_overwritten_by_the_next_one(tmp_path: Path) -> None:
+    st = _state()
+    hold = threading.Event()
+
+    def on_stage(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing tensors":
+            hold.wait(30)
+
+    ckpt = Checkpointer(on_stage=on_stage)
+    at_call = {k: v.clone() for k, v in st.model.state_dict().items()}
+    _, first = ckpt.save_async(str(tmp_path), 1, st)
+    ckpt.forget(first)  # its outcome is collected elsewhere (as the Manager does)
+    with torch.no_grad():
+        for p in st.model.parameters():
+            p.add_(5.0)
+    threading.Timer(0.5, hold.set).start()
+    _, second = ckpt.save_async(str(tmp_path), 2, st)  # stages only once step 1 is written
+    first.result()
+    second.result()
+    written = _read_tensors(tmp_path / "step1", st)
+    for k, v in at_call.items():
+        assert torch.equal(written[k], v), k
+    ckpt.close()

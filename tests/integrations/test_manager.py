@@ -351,3 +351,29 @@ def test_a_preemption_signal_during_restore_is_kept_for_the_first_step(tmp_path:
     assert step == 4 and not mgr.preempted
     mgr.save_if_due(step)  # nothing new to save; the manager stops
     assert mgr.preempted and mgr.lease is None
+
+
+def test_ctrl_c_while_waiting_for_an_async_save_loses_neither_the_save_nor_its_error(tmp_path: Path) -> None:
+    import threading
+
+    folder = str(tmp_path / "run")
+    hold = threading.Event()
+
+    def on_stage(stage: SaveStage) -> None:
+        if stage.step == 5 and stage.name == "writing tensors":
+            hold.wait(30)
+            raise OSError(5, "Input/output error")
+
+    cfg = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False, save_async=True)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=on_stage))
+    assert mgr.restore() == 0
+    main = threading.main_thread().ident
+    assert main is not None
+    threading.Timer(0.2, signal.pthread_kill, args=(main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(5, wait=True)  # Ctrl-C while the save is being written
+    hold.set()
+    with pytest.raises(CheckpointSaveError, match="Input/output error"):
+        mgr.wait()  # the save's failure is still reported, once
+    mgr.wait()
+    mgr.close(final_save=False)

@@ -19,12 +19,21 @@ T = TypeVar("T")
 
 
 class AsyncRunner(Generic[T]):
-    """Runs one job at a time in the background and remembers the one in flight."""
+    """Runs one job at a time in the background and remembers the one in flight.
+
+    Two things are tracked apart: the job whose outcome nobody has collected yet (:meth:`wait`
+    collects and re-raises it, :meth:`forget` drops it) and the last job started, until it has
+    finished, whoever collected its outcome. :meth:`settle` and :attr:`in_flight` go by the
+    second: a job whose outcome was dropped (an interrupted wait, a caller that forgot it) still
+    reads its staging buffers until it ends (found by an outside attack: a load after Ctrl-C in
+    ``wait()`` backed up into buffers a save was still writing from).
+    """
 
     def __init__(self, thread_name: str = "ckptkeeper-save") -> None:
         self._thread_name = thread_name
         self._executor: ThreadPoolExecutor | None = None
-        self._inflight: Future[T] | None = None
+        self._inflight: Future[T] | None = None  # outcome not collected yet
+        self._last: Future[T] | None = None  # started last; may still be running
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
@@ -33,31 +42,46 @@ class AsyncRunner(Generic[T]):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
         fut = self._executor.submit(job)
         with self._lock:
-            self._inflight = fut
+            self._inflight = self._last = fut
         return fut
 
     @property
     def in_flight(self) -> bool:
-        """Whether a job has not finished yet."""
+        """Whether a job has not finished yet (whether or not its outcome was collected)."""
         with self._lock:
-            return self._inflight is not None and not self._inflight.done()
+            return self._last is not None and not self._last.done()
 
     def wait(self) -> T | None:
-        """Wait for the job in flight, if any, and forget it; re-raises its error."""
+        """Wait for the job in flight, if any, and forget it; re-raises its error.
+
+        Interrupted while waiting (Ctrl-C), the job stays the one in flight: its outcome is
+        collected by the next wait.
+        """
         with self._lock:
-            fut, self._inflight = self._inflight, None
-        return fut.result() if fut is not None else None
+            fut = self._inflight
+        if fut is None:
+            return None
+        try:
+            result = fut.result()
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled() and fut.exception() is exc:
+                self.forget(fut)  # the job's own error: collected, raised here once
+            raise
+        self.forget(fut)
+        return result
 
     def forget(self, fut: Future[T]) -> None:
-        """Stop tracking ``fut`` when it is the job in flight: its outcome was collected elsewhere."""
+        """Stop tracking ``fut``'s outcome when it is the job in flight: it was collected elsewhere.
+
+        :meth:`settle` still waits for it while it runs."""
         with self._lock:
             if self._inflight is fut:
                 self._inflight = None
 
     def settle(self) -> None:
-        """Wait for the job in flight to finish, leaving its outcome with its future."""
+        """Wait for the last job started to finish, leaving its outcome with its future."""
         with self._lock:
-            fut = self._inflight
+            fut = self._last
         if fut is not None:
             concurrent.futures.wait([fut])
 

@@ -173,6 +173,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         checked = checked_metrics(step, metrics)
         self.wait()
+        # A save whose outcome was collected elsewhere (forget(), an interrupted wait) may still be
+        # writing from the staging buffers this one is about to fill.
+        self._runner.settle()
         if D.is_distributed() and self.process_group is None:
             # Background collectives must not share a queue with training's: a group of their own
             # (every rank starts the same saves, so every rank creates it at the same call).
