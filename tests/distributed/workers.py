@@ -502,3 +502,74 @@ def save_in_a_group_without_global_rank_zero(rank: int, folder: str) -> bool | N
     ckpt.load(path, TrainingState(other))
     ckpt.close()
     return state_digest(other) == state_digest(model)
+
+
+def _fsdp1(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(seed)
+    inner = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    model = FullyShardedDataParallel(inner, device_id=torch.device("cpu"), use_orig_params=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _fsdp1_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(4, 16, generator=g)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    # This rank's shards of the parameters and of the optimizer's state (FSDP1 keeps them flat).
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        out += [v.detach().clone() for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+class _Refuses:
+    """An extra whose load_state_dict raises, after the tensors have been read."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise ValueError("refused")
+
+
+def fsdp1_async_save_and_load(rank: int, folder: str) -> dict[str, Any]:
+    """FSDP1 (ShardedTensor state dicts): an async save writes the state at its call, a load puts
+    it back, and a load that fails after its reads leaves the state as it found it."""
+    model, opt = _fsdp1(0)
+    _fsdp1_step(model, opt, 1)
+    ckpt = Checkpointer()
+    at_call = _local_state(model, opt)
+    path, fut = ckpt.save_async(folder, 2, TrainingState(model, opt))
+    _fsdp1_step(model, opt, 2)  # training goes on at once
+    fut.result()
+    later = _local_state(model, opt)
+    ckpt.load(path, TrainingState(model, opt))
+    loaded = _local_state(model, opt)
+    _fsdp1_step(model, opt, 3)
+    ckpt.save(folder, 4, TrainingState(model, opt, extra={"x": _Refuses()}))
+    _fsdp1_step(model, opt, 4)
+    before_failed = _local_state(model, opt)
+    failed = ""
+    try:
+        ckpt.load(f"{folder}/step4", TrainingState(model, opt, extra={"x": _Refuses()}))
+    except Exception as exc:
+        failed = type(exc).__name__
+    after_failed = _local_state(model, opt)
+    ckpt.close()
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    return {
+        "loaded_equals_call": same(loaded, at_call),
+        "training_moved_on": not same(later, at_call),
+        "failed": failed,
+        "failed_load_changed_nothing": same(after_failed, before_failed),
+        "pieces": len(at_call),
+    }

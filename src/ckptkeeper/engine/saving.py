@@ -59,6 +59,7 @@ from .sharded import (
     shard_name,
     write_shard,
 )
+from .staging import local_shard
 from .state import detached_tree, flatten_tensors
 
 __all__ = ["SaveResult", "SaveSettings", "SaveStage", "final_path", "quiet_dcp", "tensor_bytes", "write_checkpoint"]
@@ -401,5 +402,9 @@ def _free_bytes(path: str) -> int:
 
 
 def tensor_bytes(tree: Mapping[str, Any]) -> int:
-    """Bytes of every tensor in a (nested) tree."""
-    return sum(t.numel() * t.element_size() for _, t in flatten_tensors(tree))
+    """Bytes this rank holds of every tensor in a (nested) tree (a DTensor's or ShardedTensor's local shard)."""
+    total = 0
+    for _, t in flatten_tensors(tree):
+        local = local_shard(t)
+        total += local.numel() * local.element_size()
+    return total

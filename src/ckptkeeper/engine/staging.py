@@ -7,19 +7,28 @@ allocation or page faults. Buffers are pinned when the source tensors live on a 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..errors import ConfigurationError
 from .state import _dtensor, flatten_tensors
+
+ShardedTensor: Any = None  # FSDP1's sharded state dicts hold these (torch's older sharding API)
+try:
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    pass
 
 __all__ = ["Stager", "local_shard"]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose bytes this rank holds: a DTensor's local shard, any other tensor itself.
+    """The tensor whose bytes this rank holds: a DTensor's local shard, a ShardedTensor's one
+    local shard (an empty tensor where this rank holds none), any other tensor itself.
 
     Without to_local()'s autograd function (a few dozen microseconds per tensor, inside the time
     an async save blocks training): the stager and the load's backups only copy the bytes.
@@ -28,7 +37,37 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
         return t  # the common case, decided without isinstance's subclass walk
     if isinstance(t, DTensor):
         return t._local_tensor
+    if ShardedTensor is not None and isinstance(t, ShardedTensor):
+        return _sharded_local(t)
     return t
+
+
+def _sharded_local(t: Any) -> torch.Tensor:
+    # A ShardedTensor answers almost no torch function (numel, copy_, ...): its shard is a plain tensor.
+    shards = t.local_shards()
+    if len(shards) == 1:
+        return _as_tensor(shards[0].tensor)
+    if not shards:
+        return torch.empty(0, dtype=t.metadata().tensor_properties.dtype)
+    raise ConfigurationError(
+        f"a ShardedTensor holds {len(shards)} local shards on this rank; ckptkeeper backs up and stages one "
+        "per rank (as FSDP1's sharded state dicts have): save it with torch.distributed.checkpoint instead"
+    )
+
+
+def _as_tensor(t: Any) -> torch.Tensor:
+    """``t`` as a tensor, for the type checker (a ShardedTensor's shard is one)."""
+    assert isinstance(t, torch.Tensor)
+    return t
+
+
+def _sharded_copy(t: Any) -> Any:
+    """A snapshot of a ShardedTensor in host memory (torch's own copy, as DCP's async save makes
+    it: ``to("cpu")`` moves the shards and their placements, a CPU one is deep-copied). Made anew
+    per save: FSDP1 state is rare enough not to be worth reusable buffers of its own."""
+    if not t.local_shards():
+        return t  # nothing of it on this rank
+    return t.to(device="cpu") if t.device.type != "cpu" else copy.deepcopy(t)
 
 
 def _layout_of(locals_: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, torch.Size, torch.dtype], ...]:
@@ -83,7 +122,16 @@ class Stager:
         """Copy ``tree``'s tensors into this stager's buffers now; returns a function that builds
         the staged tree around them (DTensor wrappers cost more than the copy of a small shard, so
         an async save builds them in the background, after training has its state back)."""
-        locals_ = [(p, local_shard(t)) for p, t in flatten_tensors(tree)]
+        locals_: list[tuple[str, torch.Tensor]] = []
+        sharded: dict[str, Any] = {}  # ShardedTensors (FSDP1): copied whole, in torch's way
+        for p, t in flatten_tensors(tree):
+            kind = type(t)
+            if kind is torch.Tensor or kind is torch.nn.Parameter:
+                locals_.append((p, t))
+            elif ShardedTensor is not None and isinstance(t, ShardedTensor):
+                sharded[p] = _sharded_copy(t)
+            else:
+                locals_.append((p, local_shard(t)))
         self._buffers_for(locals_)
         any_cuda = False
         with torch.no_grad():
@@ -92,7 +140,7 @@ class Stager:
                 self._buffers[path].copy_(src, non_blocking=src.is_cuda)
         if any_cuda:
             torch.cuda.synchronize()
-        return lambda: self._rebuild(tree, "")
+        return lambda: self._rebuild(tree, "", sharded)
 
     def _allocate(self, leaves: list[tuple[str, torch.Tensor]]) -> None:
         self._buffers = {}
@@ -106,12 +154,14 @@ class Stager:
                 )
         self.allocations += 1
 
-    def _rebuild(self, tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    def _rebuild(self, tree: Mapping[str, Any], prefix: str, sharded: Mapping[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in tree.items():
             path = f"{prefix}{key}"
             if isinstance(value, Mapping):
-                out[key] = self._rebuild(value, path + ".")
+                out[key] = self._rebuild(value, path + ".", sharded)
+            elif path in sharded:
+                out[key] = sharded[path]
             elif isinstance(value, torch.Tensor):
                 buf = self._buffers[path]
                 if isinstance(value, DTensor):
