@@ -703,7 +703,7 @@ class CheckpointManager:
         try:
             fut.result()
         except BaseException as exc:
-            if fut.done() and not fut.cancelled() and fut.exception() is exc:
+            if fut.done() and (fut.cancelled() or fut.exception() is exc):
                 # The save's own error, collected here: the next save must not raise it again.
                 self._future = None
                 self.checkpointer.forget(fut)

@@ -365,3 +365,89 @@ def test_a_forgotten_save_still_running_is_not_overwritten_by_the_next_one(tmp_p
     for k, v in at_call.items():
         assert torch.equal(written[k], v), k
     ckpt.close()
+
+
+def test_ctrl_c_while_a_job_is_handed_to_the_writer_leaves_it_tracked() -> None:
+    import signal
+    import sys
+
+    from ckptkeeper.engine.async_runner import AsyncRunner
+
+    runner: AsyncRunner[int] = AsyncRunner()
+    go, ended = threading.Event(), threading.Event()
+
+    def job() -> int:
+        go.wait(30)
+        ended.set()
+        return 7
+
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        # Ctrl-C just after the executor queued the job, before the runner could record it.
+        if event == "call" and frame.f_code.co_name == "_adjust_thread_count":
+            sys.settrace(None)
+            signal.pthread_kill(main, signal.SIGINT)
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.submit(job)
+    finally:
+        sys.settrace(None)
+    assert runner.in_flight  # the job runs, and the runner knows
+    threading.Timer(0.3, go.set).start()
+    runner.settle()
+    assert ended.is_set()
+    assert runner.wait() == 7
+    runner.close()
+
+
+def test_a_cancelled_save_is_reported_once_and_saving_goes_on(tmp_path: Path) -> None:
+    import concurrent.futures
+
+    from ckptkeeper.engine.async_runner import AsyncRunner
+
+    runner: AsyncRunner[int] = AsyncRunner()
+    go = threading.Event()
+    runner.submit(lambda: int(go.wait(30)))
+    queued = runner.submit(lambda: 2)  # waits behind the first: can still be cancelled
+    assert queued.cancel()
+    go.set()
+    with pytest.raises(concurrent.futures.CancelledError):
+        runner.wait()
+    assert runner.wait() is None  # once
+    assert runner.submit(lambda: 3).result() == 3 and runner.wait() == 3
+    runner.close()
+
+
+def test_a_save_error_is_raised_to_one_of_two_threads_waiting_for_it(tmp_path: Path) -> None:
+    st = _state()
+    gate = threading.Event()
+
+    def on_stage(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing tensors":
+            gate.wait(30)
+            raise OSError(5, "Input/output error")
+
+    ckpt = Checkpointer(on_stage=on_stage)
+    ckpt.save_async(str(tmp_path), 1, st)
+    raised: list[str] = []
+
+    def waiter() -> None:
+        try:
+            ckpt.wait()
+            raised.append("none")
+        except CheckpointSaveError:
+            raised.append("error")
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    threading.Timer(0.3, gate.set).start()
+    for t in threads:
+        t.join(30)
+    assert sorted(raised) == ["error", "none"]
+    ckpt.save_async(str(tmp_path), 2, st)[1].result()  # saving goes on
+    ckpt.close()

@@ -8,14 +8,48 @@ settle here first because they reuse the staging buffers a background save may s
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["AsyncRunner"]
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Ctrl-C arriving inside the block is raised as it ends (in the main thread, where Python
+    raises it, and only while SIGINT has Python's default handler: anyone else's stays in charge).
+
+    Handing a job to the writer thread and recording it must happen together: interrupted in
+    between, a save would run with nothing waiting for it (found by an outside attack).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        held = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    except (ValueError, AttributeError):  # pragma: no cover - no signals here
+        held = False
+    if not held:
+        yield
+        return
+    caught: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        caught.append(signum)
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if caught:
+            raise KeyboardInterrupt
 
 
 class AsyncRunner(Generic[T]):
@@ -38,11 +72,12 @@ class AsyncRunner(Generic[T]):
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Start ``job`` in the background (call :meth:`wait` first: one job at a time)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
-        fut = self._executor.submit(job)
-        with self._lock:
-            self._inflight = self._last = fut
+        with _ctrl_c_held():
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
+            fut = self._executor.submit(job)
+            with self._lock:
+                self._inflight = self._last = fut
         return fut
 
     @property
@@ -64,11 +99,23 @@ class AsyncRunner(Generic[T]):
         try:
             result = fut.result()
         except BaseException as exc:
-            if fut.done() and not fut.cancelled() and fut.exception() is exc:
-                self.forget(fut)  # the job's own error: collected, raised here once
-            raise
-        self.forget(fut)
+            if fut.done() and (fut.cancelled() or fut.exception() is exc):
+                # The job's own outcome (its error, or its cancellation): raised once, by the one
+                # waiter that collects it (another thread may be waiting for it too).
+                if self._collect(fut):
+                    raise
+                return None
+            raise  # interrupted while waiting: the job stays in flight
+        self._collect(fut)
         return result
+
+    def _collect(self, fut: Future[T]) -> bool:
+        """Forget ``fut`` as the job in flight; whether this call did (and so reports its outcome)."""
+        with self._lock:
+            if self._inflight is fut:
+                self._inflight = None
+                return True
+            return False
 
     def forget(self, fut: Future[T]) -> None:
         """Stop tracking ``fut``'s outcome when it is the job in flight: it was collected elsewhere.
@@ -79,11 +126,17 @@ class AsyncRunner(Generic[T]):
                 self._inflight = None
 
     def settle(self) -> None:
-        """Wait for the last job started to finish, leaving its outcome with its future."""
+        """Wait for every job started to finish, leaving their outcomes with their futures."""
         with self._lock:
-            fut = self._last
+            fut, executor = self._last, self._executor
         if fut is not None:
             concurrent.futures.wait([fut])
+        if executor is not None:
+            # The writer runs one job at a time, in order: once a no-op queued now has run, so has
+            # anything queued before it, tracked or not (a job handed over as something other than
+            # Ctrl-C interrupted the caller).
+            with contextlib.suppress(RuntimeError):  # shut down meanwhile: nothing runs
+                executor.submit(_nothing).result()
 
     def close(self) -> None:
         """Wait for the job in flight (re-raising its error) and stop the thread."""
@@ -93,3 +146,7 @@ class AsyncRunner(Generic[T]):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+
+
+def _nothing() -> None:
+    return None

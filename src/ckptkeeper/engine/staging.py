@@ -7,6 +7,7 @@ allocation or page faults. Buffers are pinned when the source tensors live on a 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,10 +19,8 @@ from ..errors import ConfigurationError
 from .state import _dtensor, flatten_tensors
 
 ShardedTensor: Any = None  # FSDP1's sharded state dicts hold these (torch's older sharding API)
-try:
+with contextlib.suppress(ImportError):  # torch built without distributed: there are none
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-except ImportError:  # pragma: no cover - torch built without distributed
-    pass
 
 __all__ = ["Stager", "local_shard"]
 
