@@ -31,6 +31,13 @@ def _read_tensors(folder: Path, like: TrainingState) -> dict[str, Any]:
     return fresh["model"]
 
 
+def _assert_holds(folder: Path, like: TrainingState, expected: dict[str, torch.Tensor]) -> None:
+    """The model tensors written to ``folder`` are exactly ``expected``."""
+    written = _read_tensors(folder, like)
+    for k, v in expected.items():
+        assert torch.equal(written[k], v), k
+
+
 def test_state_changed_after_the_call_does_not_leak_in(tmp_path: Path) -> None:
     st = _state()
     before = {k: v.clone() for k, v in st.model.state_dict().items()}
@@ -40,9 +47,7 @@ def test_state_changed_after_the_call_does_not_leak_in(tmp_path: Path) -> None:
         for p in st.model.parameters():
             p.add_(1000.0)  # right after the call returns, while the write may still run
     fut.result()
-    saved = _read_tensors(tmp_path / "step1", st)
-    for k, v in before.items():
-        assert torch.equal(saved[k], v), k
+    _assert_holds(tmp_path / "step1", st, before)
     ckpt.close()
 
 
@@ -259,6 +264,34 @@ def test_a_failed_load_after_an_async_save_puts_back_the_state_it_found(tmp_path
     ckpt.close()
 
 
+def _held_at_step1(fail: bool = False) -> tuple[Checkpointer, threading.Event]:
+    """A checkpointer whose write of step 1 waits until the event is set (then fails, with ``fail``)."""
+    hold = threading.Event()
+
+    def on_stage(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing tensors":
+            hold.wait(30)
+            if fail:
+                raise OSError(5, "Input/output error")
+
+    return Checkpointer(on_stage=on_stage), hold
+
+
+def _gated_job(outcome: Any) -> tuple[Any, threading.Event, threading.Event]:
+    """(job, go, ended): the job waits for ``go``, sets ``ended``, then raises ``outcome`` if it is
+    an exception, else returns it."""
+    go, ended = threading.Event(), threading.Event()
+
+    def job() -> Any:
+        go.wait(30)
+        ended.set()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    return job, go, ended
+
+
 def _interrupt_main_after(seconds: float) -> threading.Timer:
     """Ctrl-C as a terminal sends it, to the main thread (``_thread.interrupt_main`` only sets a
     flag, which a thread blocked waiting on a lock does not see until it wakes)."""
@@ -275,13 +308,7 @@ def test_an_interrupted_wait_keeps_the_job_tracked_until_it_ends() -> None:
     from ckptkeeper.engine.async_runner import AsyncRunner
 
     runner: AsyncRunner[str] = AsyncRunner()
-    go, ended = threading.Event(), threading.Event()
-
-    def job() -> str:
-        go.wait(30)
-        ended.set()
-        raise OSError("disk gone")
-
+    job, go, ended = _gated_job(OSError("disk gone"))
     runner.submit(job)
     _interrupt_main_after(0.1)
     with pytest.raises(KeyboardInterrupt):
@@ -317,13 +344,7 @@ def test_a_load_after_an_interrupted_wait_does_not_touch_the_buffers_a_save_is_w
             p.grad = torch.full_like(p, scale)
         opt.step()
 
-    hold = threading.Event()
-
-    def on_stage(stage: SaveStage) -> None:
-        if stage.step == 1 and stage.name == "writing tensors":
-            hold.wait(30)  # a slow write of step 1
-
-    ckpt = Checkpointer(on_stage=on_stage)
+    ckpt, hold = _held_at_step1()  # a slow write of step 1
     ckpt.save(str(tmp_path), 0, st)
     train(1.0)
     at_call = {k: v.clone() for k, v in model.state_dict().items()}
@@ -336,21 +357,13 @@ def test_a_load_after_an_interrupted_wait_does_not_touch_the_buffers_a_save_is_w
     threading.Timer(0.5, hold.set).start()
     ckpt.load(str(tmp_path / "step0"), st)  # must wait for step 1 before using the staging buffers
     fut.result()
-    written = _read_tensors(tmp_path / "step1", st)
-    for k, v in at_call.items():
-        assert torch.equal(written[k], v), k
+    _assert_holds(tmp_path / "step1", st, at_call)
     ckpt.close()
 
 
 def test_a_forgotten_save_still_running_is_not_overwritten_by_the_next_one(tmp_path: Path) -> None:
     st = _state()
-    hold = threading.Event()
-
-    def on_stage(stage: SaveStage) -> None:
-        if stage.step == 1 and stage.name == "writing tensors":
-            hold.wait(30)
-
-    ckpt = Checkpointer(on_stage=on_stage)
+    ckpt, hold = _held_at_step1()
     at_call = {k: v.clone() for k, v in st.model.state_dict().items()}
     _, first = ckpt.save_async(str(tmp_path), 1, st)
     ckpt.forget(first)  # its outcome is collected elsewhere (as the Manager does)
@@ -361,9 +374,7 @@ def test_a_forgotten_save_still_running_is_not_overwritten_by_the_next_one(tmp_p
     _, second = ckpt.save_async(str(tmp_path), 2, st)  # stages only once step 1 is written
     first.result()
     second.result()
-    written = _read_tensors(tmp_path / "step1", st)
-    for k, v in at_call.items():
-        assert torch.equal(written[k], v), k
+    _assert_holds(tmp_path / "step1", st, at_call)
     ckpt.close()
 
 
@@ -374,12 +385,7 @@ def test_ctrl_c_while_a_job_is_handed_to_the_writer_leaves_it_tracked() -> None:
     from ckptkeeper.engine.async_runner import AsyncRunner
 
     runner: AsyncRunner[int] = AsyncRunner()
-    go, ended = threading.Event(), threading.Event()
-
-    def job() -> int:
-        go.wait(30)
-        ended.set()
-        return 7
+    job, go, ended = _gated_job(7)
 
     main = threading.main_thread().ident
     assert main is not None
@@ -424,14 +430,7 @@ def test_a_cancelled_save_is_reported_once_and_saving_goes_on(tmp_path: Path) ->
 
 def test_a_save_error_is_raised_to_one_of_two_threads_waiting_for_it(tmp_path: Path) -> None:
     st = _state()
-    gate = threading.Event()
-
-    def on_stage(stage: SaveStage) -> None:
-        if stage.step == 1 and stage.name == "writing tensors":
-            gate.wait(30)
-            raise OSError(5, "Input/output error")
-
-    ckpt = Checkpointer(on_stage=on_stage)
+    ckpt, gate = _held_at_step1(fail=True)
     ckpt.save_async(str(tmp_path), 1, st)
     raised: list[str] = []
 
