@@ -567,6 +567,9 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the save in flight (if any) is durable; raises its error."""
         self._await_last()
+        # A save this manager never got the future of (Ctrl-C while it was being handed to the
+        # writer) is still the checkpointer's in flight: waited for, its error raised.
+        self.checkpointer.wait()
         self.poll(wait=True)
 
     def close(self, *, final_save: bool | None = None) -> None:

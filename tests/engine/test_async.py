@@ -450,3 +450,21 @@ def test_a_save_error_is_raised_to_one_of_two_threads_waiting_for_it(tmp_path: P
     assert sorted(raised) == ["error", "none"]
     ckpt.save_async(str(tmp_path), 2, st)[1].result()  # saving goes on
     ckpt.close()
+
+
+def test_a_save_error_reaches_the_wait_whose_signal_handler_closed_the_checkpointer(tmp_path: Path) -> None:
+    import signal
+
+    ckpt, hold = _held_at_step1(fail=True)
+    ckpt.save_async(str(tmp_path), 1, _state())
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: ckpt.close())  # a graceful-stop handler
+    main = threading.main_thread().ident
+    assert main is not None
+    try:
+        threading.Timer(0.2, signal.pthread_kill, args=(main, signal.SIGUSR1)).start()
+        threading.Timer(0.5, hold.set).start()
+        with pytest.raises(CheckpointSaveError):
+            ckpt.wait()  # the handler's close() collects the error while this waits: it still arrives
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert ckpt.wait() is None  # once

@@ -377,3 +377,40 @@ def test_ctrl_c_while_waiting_for_an_async_save_loses_neither_the_save_nor_its_e
         mgr.wait()  # the save's failure is still reported, once
     mgr.wait()
     mgr.close(final_save=False)
+
+
+def test_ctrl_c_while_a_save_is_handed_to_the_writer_is_still_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import concurrent.futures.thread
+    import threading
+
+    hold = threading.Event()
+
+    def on_stage(stage: SaveStage) -> None:
+        if stage.step == 5 and stage.name == "writing tensors":
+            hold.wait(30)
+            raise OSError(5, "Input/output error")
+
+    submit = concurrent.futures.thread.ThreadPoolExecutor.submit
+
+    def interrupted(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        queued = submit(self, fn, *args, **kwargs)
+        if getattr(fn, "__name__", "") == "run":
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C once the save is queued
+        return queued
+
+    cfg = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False, save_async=True)
+    mgr = CheckpointManager(str(tmp_path / "run"), model=nn.Linear(2, 2), config=cfg,
+                            checkpointer=Checkpointer(on_stage=on_stage))  # fmt: skip
+    assert mgr.restore() == 0
+    monkeypatch.setattr(concurrent.futures.thread.ThreadPoolExecutor, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(5)
+    monkeypatch.undo()
+    assert mgr.checkpointer.save_in_flight
+    threading.Timer(0.3, hold.set).start()
+    with pytest.raises(CheckpointSaveError, match="Input/output error"):
+        mgr.wait()  # the save the manager never got the future of: waited for, its error raised
+    mgr.wait()
+    mgr.close(final_save=False)

@@ -68,6 +68,7 @@ class AsyncRunner(Generic[T]):
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[T] | None = None  # outcome not collected yet
         self._last: Future[T] | None = None  # started last; may still be running
+        self._taken: tuple[Future[T], int] | None = None  # the last outcome collected, and by which thread
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
@@ -101,8 +102,10 @@ class AsyncRunner(Generic[T]):
         except BaseException as exc:
             if fut.done() and (fut.cancelled() or fut.exception() is exc):
                 # The job's own outcome (its error, or its cancellation): raised once, by the one
-                # waiter that collects it (another thread may be waiting for it too).
-                if self._collect(fut):
+                # waiter that collects it. Another thread may be waiting for it too (it returns
+                # None); a wait nested in this one (a signal handler's close() while this thread
+                # waited) collected it, and its raise is what arrived here: it goes on up.
+                if self._collect(fut) or self._taken == (fut, threading.get_ident()):
                     raise
                 return None
             raise  # interrupted while waiting: the job stays in flight
@@ -114,6 +117,7 @@ class AsyncRunner(Generic[T]):
         with self._lock:
             if self._inflight is fut:
                 self._inflight = None
+                self._taken = (fut, threading.get_ident())
                 return True
             return False
 
