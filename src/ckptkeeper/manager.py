@@ -704,17 +704,20 @@ class CheckpointManager:
         if not blocking and not D.all_agree(fut.done()):
             return
         try:
-            fut.result()
+            # Collected through the checkpointer: a save's error is raised once, whoever waits
+            # (this, checkpointer.wait(), another thread, a signal handler's wait).
+            self.checkpointer.wait_for(fut)
         except BaseException as exc:
             if fut.done() and (fut.cancelled() or fut.exception() is exc):
-                # The save's own error, collected here: the next save must not raise it again.
-                self._future = None
-                self.checkpointer.forget(fut)
+                self._future = None  # the save's own error, raised here
             # Otherwise interrupted while waiting (Ctrl-C): the save is still the one in flight,
             # awaited again next time.
             raise
         self._future = None
-        self.checkpointer.forget(fut)
+        if fut.cancelled() or fut.exception() is not None:
+            # It failed, and its error was raised by another waiter (the same on every rank: a
+            # save fails on all ranks together, so none goes on to the round below).
+            return
         if not D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(self._latest_path)):
             raise CheckpointSaveError(
                 f"the save of step {self._latest_step} finished but {self._latest_path} is not a complete checkpoint"

@@ -468,3 +468,57 @@ def test_a_save_error_reaches_the_wait_whose_signal_handler_closed_the_checkpoin
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert ckpt.wait() is None  # once
+
+
+def test_a_signal_handler_that_waits_and_catches_leaves_the_error_to_the_code_it_interrupted(tmp_path: Path) -> None:
+    import signal
+
+    ckpt, hold = _held_at_step1(fail=True)
+    ckpt.save_async(str(tmp_path), 1, _state())
+    seen: list[str] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        try:
+            seen.append(f"handler got {ckpt.wait()}")
+        except CheckpointSaveError:
+            seen.append("handler caught the error")
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    main = threading.main_thread().ident
+    assert main is not None
+    try:
+        threading.Timer(0.2, signal.pthread_kill, args=(main, signal.SIGUSR1)).start()
+        threading.Timer(0.5, hold.set).start()
+        with pytest.raises(CheckpointSaveError):
+            ckpt.wait()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert seen == ["handler got None"]  # raised once: to the wait the handler interrupted
+    ckpt.close()
+
+
+def test_a_sigint_handler_installed_while_a_save_is_handed_over_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import concurrent.futures.thread
+    import signal
+
+    def users(signum: int, frame: Any) -> None:  # a graceful-stop handler
+        pass
+
+    submit = concurrent.futures.thread.ThreadPoolExecutor.submit
+
+    def installing(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        signal.signal(signal.SIGINT, users)  # installed (by a signal handler, say) mid-hand-over
+        return submit(self, fn, *args, **kwargs)
+
+    previous = signal.getsignal(signal.SIGINT)
+    ckpt = Checkpointer()
+    try:
+        monkeypatch.setattr(concurrent.futures.thread.ThreadPoolExecutor, "submit", installing)
+        ckpt.save_async(str(tmp_path), 1, _state())
+        monkeypatch.undo()
+        assert signal.getsignal(signal.SIGINT) is users
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        ckpt.close()

@@ -414,3 +414,39 @@ def test_ctrl_c_while_a_save_is_handed_to_the_writer_is_still_waited_for(
         mgr.wait()  # the save the manager never got the future of: waited for, its error raised
     mgr.wait()
     mgr.close(final_save=False)
+
+
+def test_a_save_error_taken_by_the_checkpointer_is_not_raised_again_by_the_manager(tmp_path: Path) -> None:
+    import threading
+
+    hold = threading.Event()
+
+    def on_stage(stage: SaveStage) -> None:
+        if stage.step == 5 and stage.name == "writing tensors":
+            hold.wait(30)
+            raise OSError(5, "Input/output error")
+
+    cfg = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False, save_async=True)
+    mgr = CheckpointManager(str(tmp_path / "run"), model=nn.Linear(2, 2), config=cfg,
+                            checkpointer=Checkpointer(on_stage=on_stage))  # fmt: skip
+    assert mgr.restore() == 0
+    mgr.save(5)
+    raised: list[str] = []
+
+    def waiter(name: str, fn: Any) -> None:
+        try:
+            fn()
+            raised.append(f"{name} returned")
+        except CheckpointSaveError:
+            raised.append(f"{name} raised")
+
+    threads = [threading.Thread(target=waiter, args=(f"mgr.wait {i}", mgr.wait)) for i in range(2)]
+    threads.append(threading.Thread(target=waiter, args=("checkpointer.wait", mgr.checkpointer.wait)))
+    for t in threads:
+        t.start()
+    threading.Timer(0.3, hold.set).start()
+    for t in threads:
+        t.join(30)
+    assert sum(r.endswith("raised") for r in raised) == 1, raised  # once, whoever waited
+    mgr.wait()
+    mgr.close(final_save=False)

@@ -47,7 +47,10 @@ def _ctrl_c_held() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Put back only our own change: a handler installed meanwhile (by a signal handler that
+        # ran inside the block) is somebody's choice.
+        if signal.getsignal(signal.SIGINT) is note:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if caught:
             raise KeyboardInterrupt
 
@@ -68,7 +71,7 @@ class AsyncRunner(Generic[T]):
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[T] | None = None  # outcome not collected yet
         self._last: Future[T] | None = None  # started last; may still be running
-        self._taken: tuple[Future[T], int] | None = None  # the last outcome collected, and by which thread
+        self._waiting: dict[int, Future[T]] = {}  # the job each thread's outermost wait is for
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
@@ -97,27 +100,48 @@ class AsyncRunner(Generic[T]):
             fut = self._inflight
         if fut is None:
             return None
+        return self.wait_for(fut)
+
+    def wait_for(self, fut: Future[T]) -> T | None:
+        """Wait for ``fut`` (a job of this runner); its result, or its error raised.
+
+        A job's error (or cancellation) is raised once in all: by the waiter that collects it
+        while it is the job in flight; any other waiter gets None. Of waits nested in one thread
+        (a signal handler's ``wait()`` or ``close()`` while this thread waited) the outermost
+        collects, so the error reaches the code that was waiting whatever the handler does.
+        Interrupted while waiting (Ctrl-C), the job stays in flight.
+        """
+        me = threading.get_ident()
+        with self._lock:
+            outer = self._waiting.get(me)
+            nested = outer is fut
+            if not nested:
+                self._waiting[me] = fut
         try:
-            result = fut.result()
-        except BaseException as exc:
-            if fut.done() and (fut.cancelled() or fut.exception() is exc):
-                # The job's own outcome (its error, or its cancellation): raised once, by the one
-                # waiter that collects it. Another thread may be waiting for it too (it returns
-                # None); a wait nested in this one (a signal handler's close() while this thread
-                # waited) collected it, and its raise is what arrived here: it goes on up.
-                if self._collect(fut) or self._taken == (fut, threading.get_ident()):
-                    raise
-                return None
-            raise  # interrupted while waiting: the job stays in flight
-        self._collect(fut)
-        return result
+            try:
+                result = fut.result()
+            except BaseException as exc:
+                if fut.done() and (fut.cancelled() or fut.exception() is exc):
+                    if not nested and self._collect(fut):
+                        raise  # the job's own outcome, reported here once
+                    return None
+                raise  # interrupted while waiting: the job stays in flight
+            if not nested:
+                self._collect(fut)
+            return result
+        finally:
+            if not nested:
+                with self._lock:
+                    if outer is None:
+                        self._waiting.pop(me, None)
+                    else:
+                        self._waiting[me] = outer
 
     def _collect(self, fut: Future[T]) -> bool:
         """Forget ``fut`` as the job in flight; whether this call did (and so reports its outcome)."""
         with self._lock:
             if self._inflight is fut:
                 self._inflight = None
-                self._taken = (fut, threading.get_ident())
                 return True
             return False
 

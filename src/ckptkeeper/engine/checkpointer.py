@@ -227,6 +227,14 @@ class Checkpointer:
         """Wait for the background save, if any; re-raises its error."""
         return self._runner.wait()
 
+    def wait_for(self, fut: Future[SaveResult]) -> SaveResult | None:
+        """Wait for one background save (a future :meth:`save_async` returned); its result.
+
+        Its error is raised once in all: here, unless :meth:`wait` (or another ``wait_for``,
+        another thread's included) raised it already, in which case this returns None.
+        """
+        return self._runner.wait_for(fut)
+
     def forget(self, fut: Future[SaveResult]) -> None:
         """Stop tracking ``fut`` as the save in flight: its caller collected its outcome (or error).
 
