@@ -708,12 +708,13 @@ class CheckpointManager:
             # (this, checkpointer.wait(), another thread, a signal handler's wait).
             self.checkpointer.wait_for(fut)
         except BaseException as exc:
-            if fut.done() and (fut.cancelled() or fut.exception() is exc):
+            if fut.done() and (fut.cancelled() or fut.exception() is exc) and self._future is fut:
                 self._future = None  # the save's own error, raised here
             # Otherwise interrupted while waiting (Ctrl-C): the save is still the one in flight,
             # awaited again next time.
             raise
-        self._future = None
+        if self._future is fut:  # a signal handler's save may have started another meanwhile
+            self._future = None
         if fut.cancelled() or fut.exception() is not None:
             # It failed, and its error was raised by another waiter (the same on every rank: a
             # save fails on all ranks together, so none goes on to the round below).

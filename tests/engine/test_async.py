@@ -522,3 +522,22 @@ def test_a_sigint_handler_installed_while_a_save_is_handed_over_is_kept(
     finally:
         signal.signal(signal.SIGINT, previous)
         ckpt.close()
+
+
+def test_a_wait_in_a_handler_that_interrupted_the_runners_own_bookkeeping_does_not_deadlock() -> None:
+    from ckptkeeper.engine.async_runner import AsyncRunner
+
+    runner: AsyncRunner[int] = AsyncRunner()
+    runner.submit(lambda: 7)
+    runner.settle()
+    got: list[int | None] = []
+
+    def in_the_lock() -> None:
+        with runner._lock:  # a signal handler runs while its thread holds the lock
+            got.append(runner.wait())
+
+    t = threading.Thread(target=in_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert got == [7], "deadlocked"
+    runner.close()

@@ -450,3 +450,39 @@ def test_a_save_error_taken_by_the_checkpointer_is_not_raised_again_by_the_manag
     assert sum(r.endswith("raised") for r in raised) == 1, raised  # once, whoever waited
     mgr.wait()
     mgr.close(final_save=False)
+
+
+def test_an_emergency_save_in_a_signal_handler_does_not_swallow_the_failed_save_it_interrupted(tmp_path: Path) -> None:
+    import threading
+
+    hold = threading.Event()
+
+    def on_stage(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing tensors":
+            hold.wait(30)
+            raise OSError(5, "Input/output error")
+
+    cfg = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False, save_async=True)
+    mgr = CheckpointManager(str(tmp_path / "run"), model=nn.Linear(2, 2), config=cfg,
+                            checkpointer=Checkpointer(on_stage=on_stage))  # fmt: skip
+    assert mgr.restore() == 0
+    mgr.save(1)
+    saved: list[str] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        hold.set()
+        saved.append(mgr.save(2, wait=True))  # an emergency save while the main thread waits
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    main = threading.main_thread().ident
+    assert main is not None
+    try:
+        threading.Timer(0.3, signal.pthread_kill, args=(main, signal.SIGUSR1)).start()
+        with pytest.raises(CheckpointSaveError, match="step 1"):
+            mgr.wait()  # step 1's failure still reaches the code that was waiting
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert saved and saved[0].endswith("step2")
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path / "run"))] == [2]
+    mgr.wait()
+    mgr.close(final_save=False)

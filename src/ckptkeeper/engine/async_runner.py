@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -18,6 +19,8 @@ from typing import Any, Generic, TypeVar
 __all__ = ["AsyncRunner"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("ckptkeeper.engine.checkpointer")
 
 
 @contextlib.contextmanager
@@ -72,7 +75,9 @@ class AsyncRunner(Generic[T]):
         self._inflight: Future[T] | None = None  # outcome not collected yet
         self._last: Future[T] | None = None  # started last; may still be running
         self._waiting: dict[int, Future[T]] = {}  # the job each thread's outermost wait is for
-        self._lock = threading.Lock()
+        self._uncollected: set[Future[T]] = set()  # jobs whose outcome nobody has taken yet
+        # Re-entrant: a signal handler may wait (close()) while its thread holds the lock.
+        self._lock = threading.RLock()
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Start ``job`` in the background (call :meth:`wait` first: one job at a time)."""
@@ -82,6 +87,7 @@ class AsyncRunner(Generic[T]):
             fut = self._executor.submit(job)
             with self._lock:
                 self._inflight = self._last = fut
+                self._uncollected.add(fut)
         return fut
 
     @property
@@ -124,6 +130,10 @@ class AsyncRunner(Generic[T]):
                 if fut.done() and (fut.cancelled() or fut.exception() is exc):
                     if not nested and self._collect(fut):
                         raise  # the job's own outcome, reported here once
+                    if nested:
+                        # Left to the wait this handler interrupted; logged too, in case the
+                        # handler never returns there (it exits, say).
+                        log.error("the background save failed (%s); raised by the wait this handler interrupted", exc)
                     return None
                 raise  # interrupted while waiting: the job stays in flight
             if not nested:
@@ -142,6 +152,8 @@ class AsyncRunner(Generic[T]):
         with self._lock:
             if self._inflight is fut:
                 self._inflight = None
+            if fut in self._uncollected:
+                self._uncollected.discard(fut)
                 return True
             return False
 
@@ -152,6 +164,7 @@ class AsyncRunner(Generic[T]):
         with self._lock:
             if self._inflight is fut:
                 self._inflight = None
+            self._uncollected.discard(fut)
 
     def settle(self) -> None:
         """Wait for every job started to finish, leaving their outcomes with their futures."""
