@@ -509,16 +509,18 @@ def test_a_sigint_handler_installed_while_a_save_is_handed_over_is_kept(
     submit = concurrent.futures.thread.ThreadPoolExecutor.submit
 
     def installing(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
-        signal.signal(signal.SIGINT, users)  # installed (by a signal handler, say) mid-hand-over
+        if threading.current_thread() is threading.main_thread():  # not the save's own writer threads
+            signal.signal(signal.SIGINT, users)  # installed (by a signal handler, say) mid-hand-over
         return submit(self, fn, *args, **kwargs)
 
     previous = signal.getsignal(signal.SIGINT)
     ckpt = Checkpointer()
     try:
         monkeypatch.setattr(concurrent.futures.thread.ThreadPoolExecutor, "submit", installing)
-        ckpt.save_async(str(tmp_path), 1, _state())
+        _, fut = ckpt.save_async(str(tmp_path), 1, _state())
         monkeypatch.undo()
         assert signal.getsignal(signal.SIGINT) is users
+        fut.result()
     finally:
         signal.signal(signal.SIGINT, previous)
         ckpt.close()
