@@ -3,9 +3,12 @@ staging buffers are reused, and async writes the same tensors as sync."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -292,6 +295,20 @@ def _gated_job(outcome: Any) -> tuple[Any, threading.Event, threading.Event]:
     return job, go, ended
 
 
+@contextlib.contextmanager
+def _sigusr1_during(handler: Any, release: threading.Event) -> Iterator[None]:
+    """Run the block with ``handler`` for SIGUSR1, sent to the main thread 0.2 s in; ``release`` set 0.5 s in."""
+    previous = signal.signal(signal.SIGUSR1, handler)
+    main = threading.main_thread().ident
+    assert main is not None
+    try:
+        threading.Timer(0.2, signal.pthread_kill, args=(main, signal.SIGUSR1)).start()
+        threading.Timer(0.5, release.set).start()
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def _interrupt_main_after(seconds: float) -> threading.Timer:
     """Ctrl-C as a terminal sends it, to the main thread (``_thread.interrupt_main`` only sets a
     flag, which a thread blocked waiting on a lock does not see until it wakes)."""
@@ -453,26 +470,17 @@ def test_a_save_error_is_raised_to_one_of_two_threads_waiting_for_it(tmp_path: P
 
 
 def test_a_save_error_reaches_the_wait_whose_signal_handler_closed_the_checkpointer(tmp_path: Path) -> None:
-    import signal
-
     ckpt, hold = _held_at_step1(fail=True)
     ckpt.save_async(str(tmp_path), 1, _state())
-    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: ckpt.close())  # a graceful-stop handler
-    main = threading.main_thread().ident
-    assert main is not None
-    try:
-        threading.Timer(0.2, signal.pthread_kill, args=(main, signal.SIGUSR1)).start()
-        threading.Timer(0.5, hold.set).start()
-        with pytest.raises(CheckpointSaveError):
-            ckpt.wait()  # the handler's close() collects the error while this waits: it still arrives
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+    with (
+        _sigusr1_during(lambda signum, frame: ckpt.close(), hold),
+        pytest.raises(CheckpointSaveError),
+    ):  # a graceful stop
+        ckpt.wait()  # the handler's close() waits too while this waits: the error still arrives here
     assert ckpt.wait() is None  # once
 
 
 def test_a_signal_handler_that_waits_and_catches_leaves_the_error_to_the_code_it_interrupted(tmp_path: Path) -> None:
-    import signal
-
     ckpt, hold = _held_at_step1(fail=True)
     ckpt.save_async(str(tmp_path), 1, _state())
     seen: list[str] = []
@@ -483,16 +491,8 @@ def test_a_signal_handler_that_waits_and_catches_leaves_the_error_to_the_code_it
         except CheckpointSaveError:
             seen.append("handler caught the error")
 
-    previous = signal.signal(signal.SIGUSR1, handler)
-    main = threading.main_thread().ident
-    assert main is not None
-    try:
-        threading.Timer(0.2, signal.pthread_kill, args=(main, signal.SIGUSR1)).start()
-        threading.Timer(0.5, hold.set).start()
-        with pytest.raises(CheckpointSaveError):
-            ckpt.wait()
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+    with _sigusr1_during(handler, hold), pytest.raises(CheckpointSaveError):
+        ckpt.wait()
     assert seen == ["handler got None"]  # raised once: to the wait the handler interrupted
     ckpt.close()
 

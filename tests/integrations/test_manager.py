@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -353,20 +354,25 @@ def test_a_preemption_signal_during_restore_is_kept_for_the_first_step(tmp_path:
     assert mgr.preempted and mgr.lease is None
 
 
-def test_ctrl_c_while_waiting_for_an_async_save_loses_neither_the_save_nor_its_error(tmp_path: Path) -> None:
-    import threading
-
-    folder = str(tmp_path / "run")
+def _manager_failing_at(folder: Path, step: int) -> tuple[CheckpointManager, Any]:
+    """A restored async manager whose save of ``step`` waits for the event returned, then fails with EIO."""
     hold = threading.Event()
 
     def on_stage(stage: SaveStage) -> None:
-        if stage.step == 5 and stage.name == "writing tensors":
+        if stage.step == step and stage.name == "writing tensors":
             hold.wait(30)
             raise OSError(5, "Input/output error")
 
     cfg = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False, save_async=True)
-    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=on_stage))
+    mgr = CheckpointManager(
+        str(folder), model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=on_stage)
+    )
     assert mgr.restore() == 0
+    return mgr, hold
+
+
+def test_ctrl_c_while_waiting_for_an_async_save_loses_neither_the_save_nor_its_error(tmp_path: Path) -> None:
+    mgr, hold = _manager_failing_at(tmp_path / "run", 5)
     main = threading.main_thread().ident
     assert main is not None
     threading.Timer(0.2, signal.pthread_kill, args=(main, signal.SIGINT)).start()
@@ -383,14 +389,8 @@ def test_ctrl_c_while_a_save_is_handed_to_the_writer_is_still_waited_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import concurrent.futures.thread
-    import threading
 
-    hold = threading.Event()
-
-    def on_stage(stage: SaveStage) -> None:
-        if stage.step == 5 and stage.name == "writing tensors":
-            hold.wait(30)
-            raise OSError(5, "Input/output error")
+    mgr, hold = _manager_failing_at(tmp_path / "run", 5)
 
     submit = concurrent.futures.thread.ThreadPoolExecutor.submit
 
@@ -400,10 +400,6 @@ def test_ctrl_c_while_a_save_is_handed_to_the_writer_is_still_waited_for(
             signal.raise_signal(signal.SIGINT)  # Ctrl-C once the save is queued
         return queued
 
-    cfg = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False, save_async=True)
-    mgr = CheckpointManager(str(tmp_path / "run"), model=nn.Linear(2, 2), config=cfg,
-                            checkpointer=Checkpointer(on_stage=on_stage))  # fmt: skip
-    assert mgr.restore() == 0
     monkeypatch.setattr(concurrent.futures.thread.ThreadPoolExecutor, "submit", interrupted)
     with pytest.raises(KeyboardInterrupt):
         mgr.save(5)
@@ -417,19 +413,7 @@ def test_ctrl_c_while_a_save_is_handed_to_the_writer_is_still_waited_for(
 
 
 def test_a_save_error_taken_by_the_checkpointer_is_not_raised_again_by_the_manager(tmp_path: Path) -> None:
-    import threading
-
-    hold = threading.Event()
-
-    def on_stage(stage: SaveStage) -> None:
-        if stage.step == 5 and stage.name == "writing tensors":
-            hold.wait(30)
-            raise OSError(5, "Input/output error")
-
-    cfg = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False, save_async=True)
-    mgr = CheckpointManager(str(tmp_path / "run"), model=nn.Linear(2, 2), config=cfg,
-                            checkpointer=Checkpointer(on_stage=on_stage))  # fmt: skip
-    assert mgr.restore() == 0
+    mgr, hold = _manager_failing_at(tmp_path / "run", 5)
     mgr.save(5)
     raised: list[str] = []
 
@@ -453,19 +437,7 @@ def test_a_save_error_taken_by_the_checkpointer_is_not_raised_again_by_the_manag
 
 
 def test_an_emergency_save_in_a_signal_handler_does_not_swallow_the_failed_save_it_interrupted(tmp_path: Path) -> None:
-    import threading
-
-    hold = threading.Event()
-
-    def on_stage(stage: SaveStage) -> None:
-        if stage.step == 1 and stage.name == "writing tensors":
-            hold.wait(30)
-            raise OSError(5, "Input/output error")
-
-    cfg = CheckpointPolicyConfig(save_interval=None, pre_train_checkpoint=False, save_async=True)
-    mgr = CheckpointManager(str(tmp_path / "run"), model=nn.Linear(2, 2), config=cfg,
-                            checkpointer=Checkpointer(on_stage=on_stage))  # fmt: skip
-    assert mgr.restore() == 0
+    mgr, hold = _manager_failing_at(tmp_path / "run", 1)
     mgr.save(1)
     saved: list[str] = []
 
