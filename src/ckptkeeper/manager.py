@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from . import distributed as D
 from ._resume import DataPosition, check_train_state, from_olmo_core, rng_state, set_rng_state
 from .engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, TrainingState
+from .engine.async_runner import is_outcome
 from .engine.discovery import NOT_OURS
 from .engine.record import check_metrics
 from .errors import (
@@ -708,7 +709,7 @@ class CheckpointManager:
             # (this, checkpointer.wait(), another thread, a signal handler's wait).
             self.checkpointer.wait_for(fut)
         except BaseException as exc:
-            if fut.done() and (fut.cancelled() or fut.exception() is exc) and self._future is fut:
+            if is_outcome(fut, exc) and self._future is fut:
                 self._future = None  # the save's own error, raised here
             # Otherwise interrupted while waiting (Ctrl-C): the save is still the one in flight,
             # awaited again next time.

@@ -331,7 +331,7 @@ def test_an_interrupted_wait_keeps_the_job_tracked_until_it_ends() -> None:
     with pytest.raises(KeyboardInterrupt):
         runner.wait()  # Ctrl-C while waiting
     assert runner.in_flight and not ended.is_set()
-    runner.forget(runner._inflight)  # type: ignore[arg-type]  # as a caller that collected it would
+    runner.forget(runner._last)  # type: ignore[arg-type]  # as a caller that collected it would
     threading.Timer(0.3, go.set).start()
     runner.settle()  # still waits for the job: it may be reading buffers
     assert ended.is_set() and not runner.in_flight

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-__all__ = ["AsyncRunner"]
+__all__ = ["AsyncRunner", "is_outcome"]
 
 T = TypeVar("T")
 
@@ -61,9 +61,9 @@ def _ctrl_c_held() -> Iterator[None]:
 class AsyncRunner(Generic[T]):
     """Runs one job at a time in the background and remembers the one in flight.
 
-    Two things are tracked apart: the job whose outcome nobody has collected yet (:meth:`wait`
-    collects and re-raises it, :meth:`forget` drops it) and the last job started, until it has
-    finished, whoever collected its outcome. :meth:`settle` and :attr:`in_flight` go by the
+    Two things are tracked apart: which jobs' outcomes nobody has collected yet (:meth:`wait`
+    collects and re-raises the last job's, :meth:`forget` drops one) and the last job started,
+    until it has finished, whoever collected its outcome. :meth:`settle` and :attr:`in_flight` go by the
     second: a job whose outcome was dropped (an interrupted wait, a caller that forgot it) still
     reads its staging buffers until it ends (found by an outside attack: a load after Ctrl-C in
     ``wait()`` backed up into buffers a save was still writing from).
@@ -72,7 +72,6 @@ class AsyncRunner(Generic[T]):
     def __init__(self, thread_name: str = "ckptkeeper-save") -> None:
         self._thread_name = thread_name
         self._executor: ThreadPoolExecutor | None = None
-        self._inflight: Future[T] | None = None  # outcome not collected yet
         self._last: Future[T] | None = None  # started last; may still be running
         self._waiting: dict[int, Future[T]] = {}  # the job each thread's outermost wait is for
         self._uncollected: set[Future[T]] = set()  # jobs whose outcome nobody has taken yet
@@ -86,7 +85,7 @@ class AsyncRunner(Generic[T]):
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
             fut = self._executor.submit(job)
             with self._lock:
-                self._inflight = self._last = fut
+                self._last = fut
                 self._uncollected.add(fut)
         return fut
 
@@ -103,9 +102,9 @@ class AsyncRunner(Generic[T]):
         collected by the next wait.
         """
         with self._lock:
-            fut = self._inflight
-        if fut is None:
-            return None
+            fut = self._last
+            if fut not in self._uncollected:
+                return None  # none started, or its outcome was collected
         return self.wait_for(fut)
 
     def wait_for(self, fut: Future[T]) -> T | None:
@@ -127,7 +126,7 @@ class AsyncRunner(Generic[T]):
             try:
                 result = fut.result()
             except BaseException as exc:
-                if fut.done() and (fut.cancelled() or fut.exception() is exc):
+                if is_outcome(fut, exc):
                     if not nested and self._collect(fut):
                         raise  # the job's own outcome, reported here once
                     if nested:
@@ -148,10 +147,8 @@ class AsyncRunner(Generic[T]):
                         self._waiting[me] = outer
 
     def _collect(self, fut: Future[T]) -> bool:
-        """Forget ``fut`` as the job in flight; whether this call did (and so reports its outcome)."""
+        """Mark ``fut``'s outcome collected; whether this call did (and so reports it)."""
         with self._lock:
-            if self._inflight is fut:
-                self._inflight = None
             if fut in self._uncollected:
                 self._uncollected.discard(fut)
                 return True
@@ -162,8 +159,6 @@ class AsyncRunner(Generic[T]):
 
         :meth:`settle` still waits for it while it runs."""
         with self._lock:
-            if self._inflight is fut:
-                self._inflight = None
             self._uncollected.discard(fut)
 
     def settle(self) -> None:
@@ -191,3 +186,9 @@ class AsyncRunner(Generic[T]):
 
 def _nothing() -> None:
     return None
+
+
+def is_outcome(fut: Future[Any], exc: BaseException) -> bool:
+    """Whether ``exc``, raised while waiting for ``fut``, is the job's own outcome (its error or
+    its cancellation) rather than an interruption of the wait (Ctrl-C)."""
+    return fut.done() and (fut.cancelled() or fut.exception() is exc)

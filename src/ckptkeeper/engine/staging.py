@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -45,19 +45,13 @@ def _sharded_local(t: Any) -> torch.Tensor:
     # A ShardedTensor answers almost no torch function (numel, copy_, ...): its shard is a plain tensor.
     shards = t.local_shards()
     if len(shards) == 1:
-        return _as_tensor(shards[0].tensor)
+        return cast(torch.Tensor, shards[0].tensor)
     if not shards:
         return torch.empty(0, dtype=t.metadata().tensor_properties.dtype)
     raise ConfigurationError(
         f"a ShardedTensor holds {len(shards)} local shards on this rank; ckptkeeper backs up and stages one "
         "per rank (as FSDP1's sharded state dicts have): save it with torch.distributed.checkpoint instead"
     )
-
-
-def _as_tensor(t: Any) -> torch.Tensor:
-    """``t`` as a tensor, for the type checker (a ShardedTensor's shard is one)."""
-    assert isinstance(t, torch.Tensor)
-    return t
 
 
 def _sharded_copy(t: Any) -> Any:
