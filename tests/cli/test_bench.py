@@ -65,7 +65,8 @@ def _torchrun_bench(ranks: int, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_bench_at_two_ranks_compares_with_dcp(tmp_path: Path) -> None:
-    res = _torchrun_bench(2, "--model-mib", "2", "--repeats", "1", "--tensors", "50", "--json", "--dir", str(tmp_path))
+    args = ["--model-mib", "2", "--repeats", "2", "--tensors", "50", "--compare-tensors", "4"]
+    res = _torchrun_bench(2, *args, "--json", "--dir", str(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout)  # rank 0's report alone: rank 1 prints nothing
     assert report["world_size"] == 2
@@ -77,6 +78,12 @@ def test_bench_at_two_ranks_compares_with_dcp(tmp_path: Path) -> None:
     assert report["state_bytes"] >= 3 * (2 << 20) * 0.9
     for key in ("ours_save_s", "ours_load_cold_s", "ours_async_blocked_s", "dcp_save_s", "dcp_load_cold_s"):
         assert report["medians_s"][key] > 0, key
+    # --compare-tensors: the same bytes in fewer tensors, saved and loaded beside the main state.
+    assert report["compare_tensors"] == 4 and report["compare_checkpoint_tensors"] == 16
+    assert abs(report["compare_state_bytes"] - report["state_bytes"]) < 0.05 * report["state_bytes"]
+    med, per_byte = report["medians_s"], report["compare_state_bytes"] / report["state_bytes"]
+    assert report["ratios"]["save_vs_few_tensors"] == med["many_save_s"] / med["few_save_s"] * per_byte
+    assert report["ratios"]["load_vs_few_tensors"] == med["many_load_cold_s"] / med["few_load_cold_s"] * per_byte
     assert os.listdir(tmp_path) == []  # everything it wrote is gone
 
 
@@ -92,5 +99,6 @@ def test_bench_at_two_ranks_on_s3_reports_bytes_fetched_per_rank(tmp_path: Path,
     assert len(per_rank) == 2 and all(v > 0 for v in per_rank), per_rank
     assert report["ratios"]["fetched_vs_share"] == max(per_rank)
     assert report["dcp"].startswith("skipped")
+    assert "save_vs_few_tensors" not in report["ratios"]  # only with --compare-tensors
     assert list(storage_for(s3_root).walk(s3_root)) == []  # everything it wrote to the bucket is gone
     assert os.listdir(tmp_path) == []

@@ -27,8 +27,8 @@ def add_parser(sub: Any) -> None:
         "state. Under torchrun (torchrun --standalone --nproc-per-node N -m ckptkeeper bench ...) the state is "
         "an FSDP2-sharded model (Linear layers) with its AdamW state, compared with DCP at the same world size; "
         "rank 0 prints the report (world_size, state_bytes, medians_s: the slowest rank's times, ratios: "
-        "save_vs_dcp, load_vs_dcp, async_blocked_vs_dcp). --tensors or --store selects that benchmark in one "
-        "process too.",
+        "save_vs_dcp, load_vs_dcp, async_blocked_vs_dcp). --tensors, --compare-tensors or --store selects that "
+        "benchmark in one process too.",
     )
     p.add_argument(
         "--model-mib", type=int_in_range(1), default=1024, help="model size in MiB (optimizer state is 2x more)"
@@ -45,6 +45,16 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="sharded benchmark: split the model's parameters into about this many tensors of the same total "
         f"size (default {DEFAULT_TENSORS})",
+    )
+    p.add_argument(
+        "--compare-tensors",
+        type=int_in_range(1),
+        default=None,
+        metavar="F",
+        help="sharded benchmark: also save and load the same bytes split into about F tensors with ckptkeeper, "
+        "beside the main state in every repeat, and report the per-tensor cost as save_vs_few_tensors and "
+        "load_vs_few_tensors (the main state's time / the F-tensor state's; e.g. --tensors 2500 "
+        "--compare-tensors 10)",
     )
     p.add_argument(
         "--store",

@@ -1,7 +1,7 @@
 """``ckptkeeper bench`` across ranks: ckptkeeper beside DCP on an FSDP2-sharded model and optimizer.
 
 Run by torchrun (``torchrun --standalone --nproc-per-node N -m ckptkeeper bench``), or in one
-process (a one-rank group) when --tensors or --store is given. Every rank builds the same model of
+process (a one-rank group) when --tensors, --compare-tensors or --store is given. Every rank builds the same model of
 about M MiB of ``Linear`` layers in up to 100 blocks, shards each block and then the root with
 ``fully_shard``, and
 takes one AdamW step so that the optimizer state (2x the model) exists. Then, interleaved per repeat
@@ -18,6 +18,16 @@ prints the report: per measurement, the median over the repeats of the slowest r
 slowest rank is what the job waits for). With --store ckptkeeper saves to and loads from an object
 store instead of --dir, and each rank's bytes fetched per load are compared with its share of the
 checkpoint; DCP, whose writer needs a filesystem, is left out then.
+
+With --compare-tensors F the per-tensor cost is measured too, before those repeats: ckptkeeper
+alone saves and cold-loads the main state and a second state of the same bytes in about F
+tensors, in turn (which goes first alternates; one unrecorded round first), and ``save_vs_few_tensors`` /
+``load_vs_few_tensors`` are the time ratios per byte (main / F tensors). Not in the rounds
+beside DCP, and not from two separate runs: on a VM whose balloon driver reports free memory to
+the host, the first write into page cache after a long DCP round (tens of seconds at 10,000
+tensors, one at 10) faults that memory in on the host again, up to 4x slower
+(``benchmarks/page_cost.py``); in separate runs only the many-tensor run paid that, and in
+the rounds whichever state came first after DCP's.
 """
 
 from __future__ import annotations
@@ -165,13 +175,15 @@ class _Times:
     def add(self, name: str, seconds: float) -> None:
         self.times.setdefault(name, []).append(seconds)
 
-    def region(self, name: str, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on every rank between two barriers; records this rank's time; returns its result."""
+    def region(self, name: str | None, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on every rank between two barriers; records this rank's time under ``name``
+        (a warm-up when None: not recorded); returns its result."""
         _quiet_disk()
         D.barrier()
         t0 = time.perf_counter()
         out = fn()
-        self.add(name, time.perf_counter() - t0)
+        if name is not None:
+            self.add(name, time.perf_counter() - t0)
         D.barrier()
         return out
 
@@ -228,9 +240,18 @@ def _measure(args: argparse.Namespace, root: str, base: str) -> dict[str, Any]:
     model, optimizer, shape = build_state(args.model_mib, tensors, args.device)
     state = TrainingState(model, optimizer)
     state_bytes, shape["checkpoint_tensors"] = _global_bytes(state)
+    few: TrainingState | None = None
+    if args.compare_tensors is not None:
+        few_model, few_optimizer, few_shape = build_state(args.model_mib, args.compare_tensors, args.device)
+        few = TrainingState(few_model, few_optimizer)
+        shape["compare_tensors"] = few_shape["tensors"]
+        shape["compare_state_bytes"], shape["compare_checkpoint_tensors"] = _global_bytes(few)
     # Object-store spools (uploads and downloads) go under the benchmark's own folder, so that
     # nothing is left behind in the system temp folder.
     ours = Checkpointer(spool_dir=root)
+    # The comparison state has a checkpointer of its own, warmed up the same way (an async save
+    # first), so that each state's loads back up into its own staging buffers, as in a training job.
+    ours_few = Checkpointer(spool_dir=root) if few is not None else None
     # DCP's async save gets a gloo group of its own, as ckptkeeper's does (Checkpointer.save_async
     # makes one), so that its background collectives never share a queue with the caller's.
     dcp_group = D.new_cpu_group()
@@ -247,6 +268,15 @@ def _measure(args: argparse.Namespace, root: str, base: str) -> dict[str, Any]:
         sd = dcp_state()
         dcp_load(sd, checkpoint_id=folder)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    def save_and_load(name: str, ck: Checkpointer, st: TrainingState, rep: int) -> None:
+        folder = storage.join(base, f"{name}-{rep}")
+        warm_up = rep < 0
+        res = times.region(None if warm_up else f"{name}_save_s", lambda: ck.save(folder, 1, st))
+        if not store:
+            _cold(folder)
+        times.region(None if warm_up else f"{name}_load_cold_s", lambda: ck.load(res.path, st))
+        _gone(folder, store)
 
     def dcp_round(rep: int) -> None:
         d = os.path.join(root, f"dcp-{rep}")
@@ -284,6 +314,16 @@ def _measure(args: argparse.Namespace, root: str, base: str) -> dict[str, Any]:
         warm = storage.join(base, "warm")
         times.async_region("ours_async_first", lambda: ours.save_async(warm, 0, state)[1])
         _gone(warm, store)
+        if few is not None and ours_few is not None:
+            warm = storage.join(base, "warm-few")
+            times.async_region("few_async_first", lambda: ours_few.save_async(warm, 0, few)[1])
+            _gone(warm, store)
+            # One round more than measured, first: the first writes after building the states (and
+            # the first loads) ran 2x slower for both, which hid the per-tensor cost.
+            for rep in range(-1, args.repeats):
+                pair = [("many", ours, state), ("few", ours_few, few)]
+                for name, ck, st in pair if rep % 2 == 0 else pair[::-1]:
+                    save_and_load(name, ck, st, rep)
         if not store:
             warm = os.path.join(root, "dcp-warm")
             times.async_region(
@@ -298,6 +338,8 @@ def _measure(args: argparse.Namespace, root: str, base: str) -> dict[str, Any]:
                 one(rep)
     finally:
         ours.close()
+        if ours_few is not None:
+            ours_few.close()
     D.barrier()  # every rank is done with the files before rank 0 removes the folders
 
     gathered = D.all_gather_object((times.times, fetched))
@@ -319,7 +361,10 @@ def _report(
         name: statistics.median(max(rank_times[name][i] for rank_times, _ in gathered) for i in range(len(values)))
         for name, values in gathered[0][0].items()
     }
-    gbps = {k[:-2]: state_bytes / med[k] / 1e9 for k in med if "blocked" not in k}
+    few_bytes = shape.get("compare_state_bytes", state_bytes)  # about the same (widths are rounded)
+    gbps = {
+        k[:-2]: (few_bytes if k.startswith("few_") else state_bytes) / med[k] / 1e9 for k in med if "blocked" not in k
+    }
     store = args.store is not None
     ratios: dict[str, float | None] = {
         # Throughput ratios (DCP's time / ours: > 1 means ckptkeeper is faster) and a time ratio
@@ -340,6 +385,12 @@ def _report(
         "throughput_gb_s": gbps,
         "ratios": ratios,
     }
+    if "few_save_s" in med:
+        # Time ratios per byte (the main state's / the comparison state's, whose byte counts differ
+        # a little): the per-tensor cost, 1 when tensors cost nothing beyond their bytes.
+        per_byte = few_bytes / state_bytes
+        ratios["save_vs_few_tensors"] = med["many_save_s"] / med["few_save_s"] * per_byte
+        ratios["load_vs_few_tensors"] = med["many_load_cold_s"] / med["few_load_cold_s"] * per_byte
     if store:
         share = checkpoint_bytes / world
         # Per rank, the most any of its loads fetched, against its share of the checkpoint.
@@ -361,6 +412,11 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
         f"FSDP2 over {report['world_size']} ranks "
         f"({report['backend']}), {report['repeats']} repeats; times are the slowest rank's"
     )
+    if "compare_tensors" in report:
+        print(
+            f"compared with the same bytes in {report['compare_tensors']} tensors "
+            f"({report['compare_checkpoint_tensors']} in all), ckptkeeper alone: many_* and few_* below"
+        )
     if "dcp" in report:
         print(f"DCP: {report['dcp']}")
     print(f"{'measurement':<30}{'median s':>10}{'GB/s':>8}")

@@ -13,7 +13,7 @@ For the two async saves it measures the time the caller is blocked and how much 
 steps on all cores slows down while the background write runs (from the loop's own step times),
 and for ckptkeeper the peak extra host memory over 10 consecutive async saves.
 
-Under torchrun (``WORLD_SIZE`` > 1), or with --tensors or --store, :func:`run` hands over to
+Under torchrun (``WORLD_SIZE`` > 1), or with --tensors, --compare-tensors or --store, :func:`run` hands over to
 ``bench_ranks`` instead: an FSDP2-sharded model and optimizer, ckptkeeper beside DCP at that world size.
 """
 
@@ -163,7 +163,8 @@ def _sharded_wanted(args: argparse.Namespace) -> bool:
         several = int(os.environ.get("WORLD_SIZE", "1")) > 1
     except ValueError:
         several = True  # a malformed WORLD_SIZE is reported where the process group is joined
-    return several or getattr(args, "tensors", None) is not None or getattr(args, "store", None) is not None
+    flags = ("tensors", "compare_tensors", "store")
+    return several or any(getattr(args, flag, None) is not None for flag in flags)
 
 
 def run(args: argparse.Namespace) -> int:
