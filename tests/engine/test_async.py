@@ -3,6 +3,7 @@ staging buffers are reused, and async writes the same tensors as sync."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import os
@@ -543,3 +544,45 @@ def test_a_wait_in_a_handler_that_interrupted_the_runners_own_bookkeeping_does_n
     t.join(10)
     assert got == [7], "deadlocked"
     runner.close()
+
+
+@pytest.mark.parametrize("call", ["wait", "load", "save", "save_async", "close"])
+def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(tmp_path: Path, call: str) -> None:
+    # An on_stage hook runs on the writer thread, inside the save: wait(), load(), save(),
+    # save_async() and close() there would wait for that very save, for ever.
+    st = _state()
+    box: list[Checkpointer] = []
+    seen: list[BaseException] = []
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name != "writing tensors" or stage.step != 2:
+            return
+        ck = box[0]
+        try:
+            if call == "wait":
+                ck.wait()
+            elif call == "load":
+                ck.load(str(tmp_path / "step1"), _state())
+            elif call == "save_async":
+                ck.save_async(str(tmp_path), 3, st)
+            elif call == "save":
+                ck.save(str(tmp_path), 3, st)
+            else:
+                ck.close()
+        except BaseException as exc:
+            seen.append(exc)
+            raise
+
+    ckpt = Checkpointer(on_stage=hook)
+    box.append(ckpt)
+    ckpt.save(str(tmp_path), 1, st)
+    _, fut = ckpt.save_async(str(tmp_path), 2, st)
+    done = threading.Event()
+    threading.Thread(target=lambda: (concurrent.futures.wait([fut], timeout=20), done.set()), daemon=True).start()
+    assert done.wait(20), "the save never finished: the hook's call waited for it"
+    assert len(seen) == 1 and "inside" in str(seen[0]) and "on_stage" in str(seen[0]), seen
+    with pytest.raises(CheckpointSaveError):
+        ckpt.wait()  # the save failed with that error, reported once
+    assert not (tmp_path / "step2").exists() and not (tmp_path / "step3").exists()
+    ckpt.save_async(str(tmp_path), 4, st)[1].result()  # and saving goes on
+    ckpt.close()

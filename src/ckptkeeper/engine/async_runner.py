@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
+from ..errors import ConfigurationError
+
 __all__ = ["AsyncRunner", "is_outcome"]
 
 T = TypeVar("T")
@@ -77,13 +79,34 @@ class AsyncRunner(Generic[T]):
         self._uncollected: set[Future[T]] = set()  # jobs whose outcome nobody has taken yet
         # Re-entrant: a signal handler may wait (close()) while its thread holds the lock.
         self._lock = threading.RLock()
+        self._inside = threading.local()  # ``job`` is set on the writer thread while a job runs
+
+    def _refuse_inside(self, what: str) -> None:
+        # Called from the job itself (a save's on_stage hook runs on the writer thread), any wait
+        # would wait for that very job: a deadlock, found by an outside attack. An error instead,
+        # which fails that save and reaches whoever waits for it.
+        if getattr(self._inside, "job", False):
+            raise ConfigurationError(
+                f"{what} was called inside a background save, on its own writer thread (from an on_stage "
+                "hook?), where it would wait for that save to end, for ever; call it from the training code"
+            )
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Start ``job`` in the background (call :meth:`wait` first: one job at a time)."""
+        self._refuse_inside("a save")
+        inside = self._inside
+
+        def run() -> T:
+            inside.job = True
+            try:
+                return job()
+            finally:
+                inside.job = False
+
         with _ctrl_c_held():
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
-            fut = self._executor.submit(job)
+            fut = self._executor.submit(run)
             with self._lock:
                 self._last = fut
                 self._uncollected.add(fut)
@@ -101,6 +124,7 @@ class AsyncRunner(Generic[T]):
         Interrupted while waiting (Ctrl-C), the job stays the one in flight: its outcome is
         collected by the next wait.
         """
+        self._refuse_inside("wait()")
         with self._lock:
             fut = self._last
             if fut not in self._uncollected:
@@ -116,6 +140,7 @@ class AsyncRunner(Generic[T]):
         collects, so the error reaches the code that was waiting whatever the handler does.
         Interrupted while waiting (Ctrl-C), the job stays in flight.
         """
+        self._refuse_inside("wait()")
         me = threading.get_ident()
         with self._lock:
             outer = self._waiting.get(me)
@@ -163,6 +188,7 @@ class AsyncRunner(Generic[T]):
 
     def settle(self) -> None:
         """Wait for every job started to finish, leaving their outcomes with their futures."""
+        self._refuse_inside("a load (or anything that waits for the background save)")
         with self._lock:
             fut, executor = self._last, self._executor
         if fut is not None:
@@ -176,6 +202,7 @@ class AsyncRunner(Generic[T]):
 
     def close(self) -> None:
         """Wait for the job in flight (re-raising its error) and stop the thread."""
+        self._refuse_inside("close()")
         try:
             self.wait()
         finally:
