@@ -281,6 +281,7 @@ class CheckpointManager:
         pre-train save is made when the policy asks for one and earlier runs' checkpoints due for
         removal are noted.
         """
+        self._refuse_in_save("CheckpointManager.restore()")
         if self._closed:
             raise ConfigurationError("this CheckpointManager is closed; make a new one")
         try:
@@ -363,6 +364,7 @@ class CheckpointManager:
 
     def load(self, path: str) -> None:
         """Load the checkpoint at ``path`` now: model, optimizer, extras, RNG, data position, JSON state."""
+        self._refuse_in_save("CheckpointManager.load()")
         names = list(self.json_state)
         ts = self.checkpointer.load(
             path, self.state, check_train_state=lambda raw: check_train_state(from_olmo_core(raw), names)
@@ -502,6 +504,7 @@ class CheckpointManager:
         the commit record of a checkpoint saved at this step (retention's ``keep_best`` ranks by
         them). ``skip_ephemeral`` skips an ephemeral save due at this step.
         """
+        self._refuse_in_save("CheckpointManager.save_if_due()")
         metrics = self._at_step(step, metrics)
         if not self.config.enabled:
             return None
@@ -538,6 +541,7 @@ class CheckpointManager:
         again, replacing it). Async when the policy's ``save_async`` is; ``wait=True`` returns only
         once the checkpoint is durable.
         """
+        self._refuse_in_save("CheckpointManager.save()")
         metrics = self._at_step(step, metrics)
         # Saved already at this step: nothing to write, unless forced or an ephemeral is to become
         # permanent (it would otherwise be removed once superseded).
@@ -554,6 +558,7 @@ class CheckpointManager:
 
     def finish(self) -> None:
         """The end of a normal run: save the last step if this run has not, wait, carry out removals."""
+        self._refuse_in_save("CheckpointManager.finish()")
         if not self._begun or not self.config.enabled:
             self.poll(wait=True)
             return
@@ -567,6 +572,7 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is durable; raises its error."""
+        self._refuse_in_save("CheckpointManager.wait()")
         self._await_last()
         # A save this manager never got the future of (Ctrl-C while it was being handed to the
         # writer) is still the checkpointer's in flight: waited for, its error raised.
@@ -580,6 +586,9 @@ class CheckpointManager:
         exception is being raised (``close()`` in a ``finally`` after an error does not save a
         half-done step). Safe to call twice.
         """
+        # Before anything is closed: from inside the save it would wait for (an on_stage hook),
+        # closing half-way released the folder's lease under that save and lost its error.
+        self._refuse_in_save("CheckpointManager.close()")
         if self._closed:
             return
         if final_save is None:
@@ -610,6 +619,7 @@ class CheckpointManager:
 
     def drain(self) -> None:
         """Let a save in flight finish (after an error): its own failure is logged, not raised."""
+        self._refuse_in_save("CheckpointManager.drain()")
         if self._future is not None:
             try:
                 self._await_last()
@@ -618,6 +628,11 @@ class CheckpointManager:
                 self.mark_reported(err)
             finally:
                 self._future = None
+
+    def _refuse_in_save(self, what: str) -> None:
+        # Called from inside this manager's own background save (an on_stage hook on the writer
+        # thread), each of these would wait for that save: an error, before anything changes.
+        self.checkpointer.refuse_inside_save(what)
 
     def mark_reported(self, exc: BaseException) -> None:
         """Note that ``exc`` (and what caused it) was already raised or logged, so it is not reported twice."""
@@ -650,6 +665,7 @@ class CheckpointManager:
 
         Returns (path, future of the async write or None when it was synchronous).
         """
+        self._refuse_in_save("CheckpointManager.write_checkpoint()")
         if not self._opened:
             raise ConfigurationError("call restore() before saving (it takes the save folder and resumes)")
         self.poll()

@@ -546,7 +546,7 @@ def test_a_wait_in_a_handler_that_interrupted_the_runners_own_bookkeeping_does_n
     runner.close()
 
 
-@pytest.mark.parametrize("call", ["wait", "load", "save", "save_async", "close"])
+@pytest.mark.parametrize("call", ["wait", "load", "save", "save_async", "close", "clean_scratch"])
 def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(tmp_path: Path, call: str) -> None:
     # An on_stage hook runs on the writer thread, inside the save: wait(), load(), save(),
     # save_async() and close() there would wait for that very save, for ever.
@@ -567,6 +567,8 @@ def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(
                 ck.save_async(str(tmp_path), 3, st)
             elif call == "save":
                 ck.save(str(tmp_path), 3, st)
+            elif call == "clean_scratch":
+                ck.clean_scratch(str(tmp_path))
             else:
                 ck.close()
         except BaseException as exc:
@@ -586,3 +588,91 @@ def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(
     assert not (tmp_path / "step2").exists() and not (tmp_path / "step3").exists()
     ckpt.save_async(str(tmp_path), 4, st)[1].result()  # and saving goes on
     ckpt.close()
+
+
+def test_a_hook_may_collect_a_save_that_has_finished(tmp_path: Path) -> None:
+    # Only a wait that would block is refused inside a save: an earlier save's finished future is
+    # collected as anywhere else.
+    st = _state()
+    got: list[Any] = []
+    earlier: list[Any] = []
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 2:
+            got.append(ckpt.wait_for(earlier[0]))
+
+    ckpt = Checkpointer(on_stage=hook)
+    _, fut1 = ckpt.save_async(str(tmp_path), 1, st)
+    earlier.append(fut1)
+    concurrent.futures.wait([fut1])
+    _, fut2 = ckpt.save_async(str(tmp_path), 2, st)  # waits for (and collects) save 1 first
+    assert fut2.result().step == 2 and len(got) == 1
+    ckpt.close()
+
+
+def test_cleaning_scratch_during_an_async_save_waits_for_it_instead_of_deleting_its_work(tmp_path: Path) -> None:
+    # The save's own work folder is not a leftover: deleted under the running save, the save
+    # committed a checkpoint without its tensors (found by an outside attack).
+    st = _state()
+    writing, go_on = threading.Event(), threading.Event()
+
+    def hold(stage: SaveStage) -> None:
+        if stage.name == "writing trainer state" and stage.step == 2:
+            writing.set()
+            go_on.wait(10)
+
+    ckpt = Checkpointer(on_stage=hold)
+    (tmp_path / ".tmp-step1-0123abcd").mkdir()  # an interrupted save's leftover: cleaned
+    _, fut = ckpt.save_async(str(tmp_path), 2, st)
+    assert writing.wait(10)
+    threading.Timer(0.3, go_on.set).start()
+    removed = ckpt.clean_scratch(str(tmp_path))
+    assert fut.done() and fut.result().step == 2
+    assert [os.path.basename(p) for p in removed] == [".tmp-step1-0123abcd"]
+    assert ckpt.find_checkpoints(str(tmp_path)) == [(2, str(tmp_path / "step2"))]
+    ckpt.load(str(tmp_path / "step2"), _state())
+    ckpt.close()
+
+
+@pytest.mark.parametrize("call", ["close", "drain", "wait", "save", "finish"])
+def test_a_hook_calling_the_managers_waits_changes_nothing_and_the_error_reaches_the_training_code(
+    tmp_path: Path, call: str
+) -> None:
+    # Refused before anything changes: close() from the hook had released the folder's lease
+    # under the running save and marked the manager closed, so the save's error was lost; drain()
+    # dropped the save's tracking and logged a failure that had not happened.
+    from ckptkeeper import CheckpointManager, CheckpointPolicyConfig, ConfigurationError
+
+    seen: list[BaseException] = []
+    box: list[CheckpointManager] = []
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name != "writing tensors" or stage.step != 2 or threading.current_thread() is threading.main_thread():
+            return
+        mgr = box[0]
+        try:
+            if call == "save":
+                mgr.save(3, wait=True)
+            else:
+                getattr(mgr, call)()
+        except BaseException as exc:
+            seen.append(exc)
+            raise
+
+    cfg = CheckpointPolicyConfig(save_interval=1, save_async=True)
+    mgr = CheckpointManager(
+        str(tmp_path), model=torch.nn.Linear(4, 4), config=cfg, checkpointer=Checkpointer(on_stage=hook)
+    )
+    box.append(mgr)
+    mgr.restore()
+    mgr.save_if_due(1)
+    mgr.save_if_due(2)
+    lease = mgr.lease
+    with pytest.raises(CheckpointSaveError, match=f"CheckpointManager.{call}"):
+        mgr.wait()
+    assert len(seen) == 1 and isinstance(seen[0], ConfigurationError)
+    assert mgr.lease is lease is not None and not mgr._closed  # nothing was closed or released
+    mgr.save_if_due(4)
+    mgr.close()
+    found = [step for step, _ in Checkpointer().find_checkpoints(str(tmp_path))]
+    assert 2 not in found and 4 in found, found

@@ -81,10 +81,11 @@ class AsyncRunner(Generic[T]):
         self._lock = threading.RLock()
         self._inside = threading.local()  # ``job`` is set on the writer thread while a job runs
 
-    def _refuse_inside(self, what: str) -> None:
-        # Called from the job itself (a save's on_stage hook runs on the writer thread), any wait
-        # would wait for that very job: a deadlock, found by an outside attack. An error instead,
-        # which fails that save and reaches whoever waits for it.
+    def refuse_inside(self, what: str) -> None:
+        """Raise :class:`ConfigurationError` when called from inside one of this runner's jobs (on
+        its writer thread, as a save's ``on_stage`` hook is), where ``what`` would wait for that very
+        job to end: a deadlock (found by an outside attack). The error fails that job instead and
+        reaches whoever waits for it. Callers that change anything check before they do."""
         if getattr(self._inside, "job", False):
             raise ConfigurationError(
                 f"{what} was called inside a background save, on its own writer thread (from an on_stage "
@@ -93,7 +94,7 @@ class AsyncRunner(Generic[T]):
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Start ``job`` in the background (call :meth:`wait` first: one job at a time)."""
-        self._refuse_inside("a save")
+        self.refuse_inside("starting another background save")
         inside = self._inside
 
         def run() -> T:
@@ -124,23 +125,25 @@ class AsyncRunner(Generic[T]):
         Interrupted while waiting (Ctrl-C), the job stays the one in flight: its outcome is
         collected by the next wait.
         """
-        self._refuse_inside("wait()")
         with self._lock:
             fut = self._last
             if fut not in self._uncollected:
                 return None  # none started, or its outcome was collected
-        return self.wait_for(fut)
+        return self.wait_for(fut, "wait()")
 
-    def wait_for(self, fut: Future[T]) -> T | None:
+    def wait_for(self, fut: Future[T], what: str = "wait_for()") -> T | None:
         """Wait for ``fut`` (a job of this runner); its result, or its error raised.
 
         A job's error (or cancellation) is raised once in all: by the waiter that collects it
         while it is the job in flight; any other waiter gets None. Of waits nested in one thread
         (a signal handler's ``wait()`` or ``close()`` while this thread waited) the outermost
         collects, so the error reaches the code that was waiting whatever the handler does.
-        Interrupted while waiting (Ctrl-C), the job stays in flight.
+        Interrupted while waiting (Ctrl-C), the job stays in flight. Refused (see
+        :meth:`refuse_inside`) only where it would block: a finished job's outcome is collected
+        from anywhere.
         """
-        self._refuse_inside("wait()")
+        if not fut.done():
+            self.refuse_inside(what)
         me = threading.get_ident()
         with self._lock:
             outer = self._waiting.get(me)
@@ -188,7 +191,8 @@ class AsyncRunner(Generic[T]):
 
     def settle(self) -> None:
         """Wait for every job started to finish, leaving their outcomes with their futures."""
-        self._refuse_inside("a load (or anything that waits for the background save)")
+        # From inside a job even the drain below would wait for ever (the one writer is busy).
+        self.refuse_inside("waiting for the background save to end (a load does)")
         with self._lock:
             fut, executor = self._last, self._executor
         if fut is not None:
@@ -202,7 +206,7 @@ class AsyncRunner(Generic[T]):
 
     def close(self) -> None:
         """Wait for the job in flight (re-raising its error) and stop the thread."""
-        self._refuse_inside("close()")
+        self.refuse_inside("close()")
         try:
             self.wait()
         finally:

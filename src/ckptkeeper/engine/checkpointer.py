@@ -142,6 +142,7 @@ class Checkpointer:
         ``metrics`` (names to finite numbers) go into the commit record, where retention by metric
         (``keep_best``) and ``ckptkeeper inspect`` read them.
         """
+        self._runner.refuse_inside("Checkpointer.save()")
         t0 = time.perf_counter()
         checked = checked_metrics(step, metrics)
         self.wait()
@@ -170,6 +171,7 @@ class Checkpointer:
         any, is raised here). A failed background write raises :class:`CheckpointSaveError` from the
         future, naming the step and file.
         """
+        self._runner.refuse_inside("Checkpointer.save_async()")
         t0 = time.perf_counter()
         checked = checked_metrics(step, metrics)
         self.wait()
@@ -227,13 +229,19 @@ class Checkpointer:
         """Wait for the background save, if any; re-raises its error."""
         return self._runner.wait()
 
+    def refuse_inside_save(self, what: str) -> None:
+        """Raise :class:`ConfigurationError` when called from inside one of this checkpointer's
+        background saves (an ``on_stage`` hook on the writer thread), where ``what`` would wait
+        for that save to end, for ever. Wrappers (the manager) call it before changing anything."""
+        self._runner.refuse_inside(what)
+
     def wait_for(self, fut: Future[SaveResult]) -> SaveResult | None:
         """Wait for one background save (a future :meth:`save_async` returned); its result.
 
         Its error is raised once in all: here, unless :meth:`wait` (or another ``wait_for``,
         another thread's included) raised it already, in which case this returns None.
         """
-        return self._runner.wait_for(fut)
+        return self._runner.wait_for(fut, "Checkpointer.wait_for()")
 
     def forget(self, fut: Future[SaveResult]) -> None:
         """Stop tracking ``fut`` as the save in flight: its caller collected its outcome (or error).
@@ -248,6 +256,7 @@ class Checkpointer:
 
         A failed save is re-raised; failed deletions were logged (see :meth:`wait_for_removals`).
         """
+        self._runner.refuse_inside("Checkpointer.close()")  # before anything is closed
         try:
             self._runner.close()
         finally:
@@ -316,6 +325,7 @@ class Checkpointer:
         for an intact one that does not fit. ``check_train_state(train_state)`` runs before any
         tensor is touched.
         """
+        self._runner.refuse_inside("Checkpointer.load()")
         # The caller waits for the whole load (see gcpause for why the collector is paused).
         with paused_gc():
             return loading.load(self, path, state, check_train_state)
@@ -356,5 +366,12 @@ class Checkpointer:
         Local disks: ``.tmp-step{N}-{id}`` and ``.trash-step{N}-{id}`` folders (exact names only).
         Object stores: step folders without a commit record, through their upload intents (only
         the announced objects), and the unfinished multipart uploads those intents announced.
+
+        This checkpointer's own background save is waited for first: its work folder is not a
+        leftover (found by an outside attack: it was deleted under the running save, which then
+        committed a checkpoint without its tensors). Other writers' saves in progress are not
+        known here; the save folder's lease (:class:`~ckptkeeper.CheckpointManager`) keeps them out.
         """
+        self._runner.refuse_inside("Checkpointer.clean_scratch()")
+        self._runner.settle()
         return clean_save_folder(save_folder)

@@ -98,9 +98,9 @@ class SaveStage:
     (the background writer for async saves). Whatever it raises is handled exactly like an I/O
     error at that point of the save (the checkpoint stays invisible, the error names the step);
     it may also block or sleep to hold a save in flight, but not wait for the save it runs in:
-    the checkpointer's ``wait()``, ``load()``, ``save_async()``, ``save()`` and ``close()`` raise
-    :class:`~ckptkeeper.errors.ConfigurationError` there (the save then fails with it) instead
-    of waiting for ever. Stages, in order: ``"preparing"``,
+    the checkpointer's (and its manager's) calls that would raise
+    :class:`~ckptkeeper.errors.ConfigurationError` there before changing anything (the save then
+    fails with it) instead of waiting for ever. Stages, in order: ``"preparing"``,
     ``"writing tensors"``, ``"writing trainer state"``, ``"uploading"`` (object stores only) and
     ``"publishing"`` (rank 0 only).
     """
