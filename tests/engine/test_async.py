@@ -676,3 +676,29 @@ def test_a_hook_calling_the_managers_waits_changes_nothing_and_the_error_reaches
     mgr.close()
     found = [step for step, _ in Checkpointer().find_checkpoints(str(tmp_path))]
     assert 2 not in found and 4 in found, found
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_a_save_whose_work_folder_is_damaged_before_the_commit_fails_and_publishes_nothing(
+    tmp_path: Path, damage: str
+) -> None:
+    # Something else deletes or cuts a file of a save in progress: the commit must not publish a
+    # record without its tensors and report success.
+    st = _state()
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name == "publishing" and stage.step == 2:
+            data = Path(stage.work) / "model_and_optim" / "__0_0.distcp"
+            if damage == "delete":
+                data.unlink()
+            else:
+                os.truncate(data, data.stat().st_size - 1)
+
+    ckpt = Checkpointer(on_stage=hook)
+    ckpt.save(str(tmp_path), 1, st)
+    ckpt.save_async(str(tmp_path), 2, st)
+    with pytest.raises(CheckpointSaveError, match=r"__0_0\.distcp"):
+        ckpt.wait()
+    assert sorted(os.listdir(tmp_path)) == ["step1"]
+    assert ckpt.find_checkpoints(str(tmp_path)) == [(1, str(tmp_path / "step1"))]
+    ckpt.close()

@@ -18,6 +18,7 @@ Both refuse to replace anything ckptkeeper cannot prove it wrote (:func:`clear_t
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -101,6 +102,21 @@ class RenameCommit:
         pass
 
     def publish(self, work: str, final: str, record: CommitRecord) -> None:
+        # Every file the record lists is in the work folder at its size, or nothing is published:
+        # a work folder deleted or emptied under the save (a clean-up of the folder by something
+        # else) had the save commit a record without its tensors and report success (found by an
+        # outside attack). A stat per file: the files are few (a handful per rank).
+        for rel, entry in record.files.items():
+            path = os.path.join(work, rel)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    errno.ENOENT, "a file of this checkpoint vanished from its work folder before the commit", path
+                ) from None
+            if size != entry.bytes:
+                changed = f"a file of this checkpoint changed size before the commit ({size} != {entry.bytes} bytes)"
+                raise OSError(errno.EIO, changed, path)
         self.storage.write_bytes(os.path.join(work, COMMIT_RECORD), record.to_json())
         clear_target(self.storage, final, self._remove)
         self.storage.rename_dir(work, final)
