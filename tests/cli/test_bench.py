@@ -102,3 +102,16 @@ def test_bench_at_two_ranks_on_s3_reports_bytes_fetched_per_rank(tmp_path: Path,
     assert "save_vs_few_tensors" not in report["ratios"]  # only with --compare-tensors
     assert list(storage_for(s3_root).walk(s3_root)) == []  # everything it wrote to the bucket is gone
     assert os.listdir(tmp_path) == []
+
+
+def test_compare_tensors_refuses_an_unfair_comparison(tmp_path: Path) -> None:
+    def bench(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "ckptkeeper", "bench", "--repeats", "1", "--dir", str(tmp_path), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+
+    more = bench("--model-mib", "2", "--tensors", "8", "--compare-tensors", "20")
+    assert more.returncode != 0 and "--compare-tensors 20 is more than the state's 8 tensors" in more.stderr
+    # 1 MiB in 20,000 tensors rounds to layers 5 wide: 14% more bytes than in 10 tensors.
+    unequal = bench("--model-mib", "1", "--tensors", "20000", "--compare-tensors", "10")
+    assert unequal.returncode != 0 and "raise --model-mib or use fewer tensors" in unequal.stderr
+    assert os.listdir(tmp_path) == []

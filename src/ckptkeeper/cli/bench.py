@@ -51,10 +51,11 @@ def add_parser(sub: Any) -> None:
         type=int_in_range(1),
         default=None,
         metavar="F",
-        help="sharded benchmark: also save and load the same bytes split into about F tensors with ckptkeeper, "
-        "beside the main state in every repeat, and report the per-tensor cost as save_vs_few_tensors and "
-        "load_vs_few_tensors (the main state's time / the F-tensor state's; e.g. --tensors 2500 "
-        "--compare-tensors 10)",
+        help="sharded benchmark: also measure the per-tensor cost. Before the rounds beside DCP, ckptkeeper alone "
+        "saves and cold-loads the state and a second one of about the same bytes in about F tensors (fewer than "
+        "--tensors), in turn; reported as save_vs_few_tensors and load_vs_few_tensors, the main state's time / the "
+        "F-tensor state's, per byte (e.g. --tensors 2500 --compare-tensors 10). The second state takes as much "
+        "host memory again",
     )
     p.add_argument(
         "--store",

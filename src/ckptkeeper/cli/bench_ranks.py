@@ -107,6 +107,30 @@ def _layout(model_mib: int, tensors: int, world: int) -> tuple[int, int]:
     return layers, max(world, round(width / world) * world)
 
 
+def _model_bytes(model_mib: int, tensors: int, world: int) -> int:
+    """The bytes of the model :func:`build_state` makes (float32 weights and biases)."""
+    layers, width = _layout(model_mib, tensors, world)
+    return layers * (width * width + width) * 4
+
+
+def _check_comparison(model_mib: int, tensors: int, few: int, world: int) -> None:
+    """ConfigurationError unless --compare-tensors ``few`` makes a fair comparison state: fewer
+    tensors than the main state's, of about the same bytes (very many tensors of a small model
+    round to layers too narrow to keep the size)."""
+    if few > tensors:
+        raise ConfigurationError(
+            f"--compare-tensors {few} is more than the state's {tensors} tensors (--tensors); it is the few-tensor "
+            f"side of the comparison: give fewer (e.g. --compare-tensors 10)"
+        )
+    sizes = {n: _model_bytes(model_mib, n, world) for n in (tensors, few)}
+    if abs(sizes[few] - sizes[tensors]) > 0.1 * sizes[tensors]:
+        raise ConfigurationError(
+            f"--model-mib {model_mib} in {tensors} and in {few} tensors gives models of {sizes[tensors] / 2**20:.2f} "
+            f"and {sizes[few] / 2**20:.2f} MiB (layers of whole columns cannot split so few bytes so finely): raise "
+            "--model-mib or use fewer tensors"
+        )
+
+
 def build_state(
     model_mib: int, tensors: int, device: str = "cpu"
 ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, int]]:
@@ -237,6 +261,8 @@ def _measure(args: argparse.Namespace, root: str, base: str) -> dict[str, Any]:
 
     store = args.store is not None
     tensors = DEFAULT_TENSORS if args.tensors is None else args.tensors
+    if args.compare_tensors is not None:
+        _check_comparison(args.model_mib, tensors, args.compare_tensors, D.get_world_size())
     model, optimizer, shape = build_state(args.model_mib, tensors, args.device)
     state = TrainingState(model, optimizer)
     state_bytes, shape["checkpoint_tensors"] = _global_bytes(state)
