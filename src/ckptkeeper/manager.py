@@ -212,6 +212,7 @@ class CheckpointManager:
         self._opened = False
         self._begun = False
         self._closed = False
+        self._sync_saving: int | None = None  # the thread inside this manager's own synchronous save
         self._future: Future[Any] | None = None
         self._latest_step = -1
         self._latest_path = ""
@@ -632,7 +633,14 @@ class CheckpointManager:
     def _refuse_in_save(self, what: str) -> None:
         # Called from inside this manager's own background save (an on_stage hook on the writer
         # thread), each of these would wait for that save: an error, before anything changes.
+        # From inside its own synchronous save (the hook runs on the caller's thread), close()
+        # released the folder's lease under the running save: refused the same way.
         self.checkpointer.refuse_inside_save(what)
+        if self._sync_saving == threading.get_ident():
+            raise ConfigurationError(
+                f"{what} was called inside this manager's own synchronous save (from an on_stage hook?), which "
+                "is still writing; call it from the training code"
+            )
 
     def mark_reported(self, exc: BaseException) -> None:
         """Note that ``exc`` (and what caused it) was already raised or logged, so it is not reported twice."""
@@ -681,14 +689,18 @@ class CheckpointManager:
             self._pending.append((path, fut))
             self._last_save_time = time.monotonic()
             return path, fut
-        result = self.checkpointer.save(
-            self.save_folder,
-            self.step,
-            self.state,
-            train_state=self.train_state(),
-            ephemeral=ephemeral,
-            metrics=metrics,
-        )
+        self._sync_saving = threading.get_ident()
+        try:
+            result = self.checkpointer.save(
+                self.save_folder,
+                self.step,
+                self.state,
+                train_state=self.train_state(),
+                ephemeral=ephemeral,
+                metrics=metrics,
+            )
+        finally:
+            self._sync_saving = None
         self._last_save_time = time.monotonic()
         self._notify_saved(result.path, result)
         return result.path, None
@@ -748,6 +760,8 @@ class CheckpointManager:
 
     def poll(self, wait: bool = False) -> None:
         """Call ``on_saved`` for async saves that have finished (``wait``: for all of them, waiting)."""
+        if wait:
+            self._refuse_in_save("CheckpointManager.poll(wait=True)")
         still = []
         for path, fut in self._pending:
             if wait or fut.done():

@@ -18,7 +18,14 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from ckptkeeper import Checkpointer, CheckpointerCallback, CheckpointSaveError, TrainingState, state_digest
+from ckptkeeper import (
+    Checkpointer,
+    CheckpointerCallback,
+    CheckpointSaveError,
+    ConfigurationError,
+    TrainingState,
+    state_digest,
+)
 from ckptkeeper.engine import SaveStage
 
 from ..helpers import stepped_linear, tiny_trainer
@@ -546,7 +553,7 @@ def test_a_wait_in_a_handler_that_interrupted_the_runners_own_bookkeeping_does_n
     runner.close()
 
 
-@pytest.mark.parametrize("call", ["wait", "load", "save", "save_async", "close", "clean_scratch"])
+@pytest.mark.parametrize("call", ["wait", "load", "save", "save_async", "close"])
 def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(tmp_path: Path, call: str) -> None:
     # An on_stage hook runs on the writer thread, inside the save: wait(), load(), save(),
     # save_async() and close() there would wait for that very save, for ever.
@@ -567,8 +574,6 @@ def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(
                 ck.save_async(str(tmp_path), 3, st)
             elif call == "save":
                 ck.save(str(tmp_path), 3, st)
-            elif call == "clean_scratch":
-                ck.clean_scratch(str(tmp_path))
             else:
                 ck.close()
         except BaseException as exc:
@@ -610,31 +615,47 @@ def test_a_hook_may_collect_a_save_that_has_finished(tmp_path: Path) -> None:
     ckpt.close()
 
 
-def test_cleaning_scratch_during_an_async_save_waits_for_it_instead_of_deleting_its_work(tmp_path: Path) -> None:
-    # The save's own work folder is not a leftover: deleted under the running save, the save
-    # committed a checkpoint without its tensors (found by an outside attack).
+@pytest.mark.parametrize("who", ["training thread", "hook", "another thread's sync save"])
+def test_cleaning_scratch_during_saves_leaves_their_work_folders_alone(tmp_path: Path, who: str) -> None:
+    # A running save's work folder is not a leftover, whoever asks for the clean-up and however
+    # the save runs: deleted under the save, the save committed a checkpoint without its tensors
+    # (found by an outside attack).
     st = _state()
     writing, go_on = threading.Event(), threading.Event()
+    removed: list[str] = []
 
     def hold(stage: SaveStage) -> None:
         if stage.name == "writing trainer state" and stage.step == 2:
+            if who == "hook":
+                removed.extend(ckpt.clean_scratch(str(tmp_path)))
             writing.set()
             go_on.wait(10)
 
     ckpt = Checkpointer(on_stage=hold)
     (tmp_path / ".tmp-step1-0123abcd").mkdir()  # an interrupted save's leftover: cleaned
-    _, fut = ckpt.save_async(str(tmp_path), 2, st)
+    if who == "another thread's sync save":
+        results: list[Any] = []
+        saver = threading.Thread(target=lambda: results.append(ckpt.save(str(tmp_path), 2, st)))
+        saver.start()
+    else:
+        _, fut = ckpt.save_async(str(tmp_path), 2, st)
     assert writing.wait(10)
-    threading.Timer(0.3, go_on.set).start()
-    removed = ckpt.clean_scratch(str(tmp_path))
-    assert fut.done() and fut.result().step == 2
+    if who != "hook":
+        removed.extend(Checkpointer().clean_scratch(str(tmp_path)))  # another checkpointer, too
+    go_on.set()
+    if who == "another thread's sync save":
+        saver.join(10)
+        assert results and results[0].step == 2
+    else:
+        assert fut.result().step == 2
     assert [os.path.basename(p) for p in removed] == [".tmp-step1-0123abcd"]
     assert ckpt.find_checkpoints(str(tmp_path)) == [(2, str(tmp_path / "step2"))]
+    ckpt.verify(str(tmp_path / "step2"))
     ckpt.load(str(tmp_path / "step2"), _state())
     ckpt.close()
 
 
-@pytest.mark.parametrize("call", ["close", "drain", "wait", "save", "finish"])
+@pytest.mark.parametrize("call", ["close", "drain", "wait", "save", "finish", "poll"])
 def test_a_hook_calling_the_managers_waits_changes_nothing_and_the_error_reaches_the_training_code(
     tmp_path: Path, call: str
 ) -> None:
@@ -653,6 +674,8 @@ def test_a_hook_calling_the_managers_waits_changes_nothing_and_the_error_reaches
         try:
             if call == "save":
                 mgr.save(3, wait=True)
+            elif call == "poll":
+                mgr.poll(wait=True)
             else:
                 getattr(mgr, call)()
         except BaseException as exc:
@@ -678,27 +701,121 @@ def test_a_hook_calling_the_managers_waits_changes_nothing_and_the_error_reaches
     assert 2 not in found and 4 in found, found
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate"])
+@pytest.mark.parametrize(
+    ("damage", "stage_name", "writer"),
+    [
+        ("delete", "publishing", "auto"),
+        ("truncate", "publishing", "auto"),
+        # Before each rank hashes what it wrote: a file gone by then was left out of the record.
+        ("delete", "writing trainer state", "dcp"),
+        ("delete-metadata", "writing trainer state", "dcp"),
+        ("delete-layout", "writing trainer state", "auto"),
+    ],
+)
 def test_a_save_whose_work_folder_is_damaged_before_the_commit_fails_and_publishes_nothing(
-    tmp_path: Path, damage: str
+    tmp_path: Path, damage: str, stage_name: str, writer: str
 ) -> None:
     # Something else deletes or cuts a file of a save in progress: the commit must not publish a
     # record without its tensors and report success.
+    from ckptkeeper.engine.discovery import LAYOUT_FILE
+
     st = _state()
 
     def hook(stage: SaveStage) -> None:
-        if stage.name == "publishing" and stage.step == 2:
+        if stage.name == stage_name and stage.step == 2:
             data = Path(stage.work) / "model_and_optim" / "__0_0.distcp"
             if damage == "delete":
                 data.unlink()
+            elif damage == "delete-metadata":
+                (Path(stage.work) / "model_and_optim" / ".metadata").unlink()
+            elif damage == "delete-layout":
+                (Path(stage.work) / LAYOUT_FILE).unlink()
             else:
                 os.truncate(data, data.stat().st_size - 1)
 
-    ckpt = Checkpointer(on_stage=hook)
+    ckpt = Checkpointer(on_stage=hook, writer=writer)
     ckpt.save(str(tmp_path), 1, st)
     ckpt.save_async(str(tmp_path), 2, st)
-    with pytest.raises(CheckpointSaveError, match=r"__0_0\.distcp"):
+    with pytest.raises(CheckpointSaveError, match=r"(__0_0\.distcp|\.metadata|layout\.json)\): \[Errno \d+\] a file"):
         ckpt.wait()
     assert sorted(os.listdir(tmp_path)) == ["step1"]
     assert ckpt.find_checkpoints(str(tmp_path)) == [(1, str(tmp_path / "step1"))]
     ckpt.close()
+
+
+@pytest.mark.parametrize("call", ["load", "save_async", "close", "wait"])
+def test_a_done_callback_of_a_save_gets_an_error_instead_of_a_deadlock(tmp_path: Path, call: str) -> None:
+    # A save's done-callbacks run on the writer thread after the save has returned: a load or
+    # the next save there waited for that thread to be free, for ever.
+    st = _state()
+    ckpt = Checkpointer()
+    ckpt.save(str(tmp_path), 1, st)
+    outcome: list[Any] = []
+    done = threading.Event()
+
+    def callback(fut: concurrent.futures.Future[Any]) -> None:
+        try:
+            if call == "load":
+                ckpt.load(str(tmp_path / "step1"), _state())
+            elif call == "save_async":
+                ckpt.save_async(str(tmp_path), 3, st)
+            elif call == "close":
+                ckpt.close()
+            else:
+                outcome.append(ckpt.wait())  # the save has finished: collected, not refused
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    gate = threading.Event()
+
+    def hold(stage: SaveStage) -> None:
+        if stage.step == 2 and stage.name == "preparing":
+            gate.wait(10)  # the callback is added while the save still runs
+
+    ckpt.on_stage = hold
+    _, fut = ckpt.save_async(str(tmp_path), 2, st)
+    fut.add_done_callback(callback)
+    gate.set()
+    assert done.wait(20), "the callback's call waited for the writer thread it runs on"
+    if call == "wait":
+        assert len(outcome) == 1 and outcome[0].step == 2
+    else:
+        assert len(outcome) == 1 and isinstance(outcome[0], ConfigurationError), outcome
+        assert "writer thread" in str(outcome[0])
+    ckpt.on_stage = None
+    ckpt.save_async(str(tmp_path), 4, st)[1].result()  # saving goes on
+    ckpt.close()
+    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [1, 2, 4]
+
+
+def test_a_sync_save_hook_that_closes_the_manager_changes_nothing(tmp_path: Path) -> None:
+    # A synchronous save's hook runs on the training thread; closing the manager there released
+    # the folder's lease while the save was still writing.
+    from ckptkeeper import CheckpointManager, CheckpointPolicyConfig
+
+    box: list[CheckpointManager] = []
+    seen: list[BaseException] = []
+
+    def hook(stage: SaveStage) -> None:
+        if stage.step == 2 and stage.name == "writing tensors":
+            try:
+                box[0].close(final_save=False)
+            except BaseException as exc:
+                seen.append(exc)
+                raise
+
+    cfg = CheckpointPolicyConfig(save_interval=1, save_async=False)
+    ck = Checkpointer(on_stage=hook)
+    mgr = CheckpointManager(str(tmp_path), model=torch.nn.Linear(4, 4), config=cfg, checkpointer=ck)
+    box.append(mgr)
+    mgr.restore()
+    mgr.save_if_due(1)
+    lease = mgr.lease
+    with pytest.raises(CheckpointSaveError, match=r"CheckpointManager\.close"):
+        mgr.save_if_due(2)
+    assert len(seen) == 1 and mgr.lease is lease is not None and not mgr._closed
+    mgr.save_if_due(3)
+    mgr.close()
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path))] == [0, 1, 3]

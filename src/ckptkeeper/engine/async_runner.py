@@ -79,14 +79,17 @@ class AsyncRunner(Generic[T]):
         self._uncollected: set[Future[T]] = set()  # jobs whose outcome nobody has taken yet
         # Re-entrant: a signal handler may wait (close()) while its thread holds the lock.
         self._lock = threading.RLock()
-        self._inside = threading.local()  # ``job`` is set on the writer thread while a job runs
+        self._inside = threading.local()  # ``writer`` is set on the writer thread, for good
 
     def refuse_inside(self, what: str) -> None:
-        """Raise :class:`ConfigurationError` when called from inside one of this runner's jobs (on
-        its writer thread, as a save's ``on_stage`` hook is), where ``what`` would wait for that very
-        job to end: a deadlock (found by an outside attack). The error fails that job instead and
-        reaches whoever waits for it. Callers that change anything check before they do."""
-        if getattr(self._inside, "job", False):
+        """Raise :class:`ConfigurationError` when called on this runner's writer thread (inside a
+        job, as a save's ``on_stage`` hook is, or in a done-callback of its future), where ``what``
+        would wait for that thread to be free: a deadlock (found by outside attacks). The error
+        fails that job instead and reaches whoever waits for it. Callers that change anything
+        check before they do."""
+        # Also after a job has returned: its future's done-callbacks run on the writer thread too,
+        # where waiting for the writer (settle's drain, the next save) waits for ever as well.
+        if getattr(self._inside, "writer", False):
             raise ConfigurationError(
                 f"{what} was called inside a background save, on its own writer thread (from an on_stage "
                 "hook?), where it would wait for that save to end, for ever; call it from the training code"
@@ -96,21 +99,25 @@ class AsyncRunner(Generic[T]):
         """Start ``job`` in the background (call :meth:`wait` first: one job at a time)."""
         self.refuse_inside("starting another background save")
         inside = self._inside
+        recorded = threading.Event()
 
         def run() -> T:
-            inside.job = True
-            try:
-                return job()
-            finally:
-                inside.job = False
+            inside.writer = True
+            # Not before the job is recorded as the one in flight: a hook's wait() in between
+            # found none and went on without refusal (found by a flaky test under load).
+            recorded.wait()
+            return job()
 
         with _ctrl_c_held():
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
             fut = self._executor.submit(run)
-            with self._lock:
-                self._last = fut
-                self._uncollected.add(fut)
+            try:
+                with self._lock:
+                    self._last = fut
+                    self._uncollected.add(fut)
+            finally:
+                recorded.set()  # whatever happened here: the writer must never wait for ever
         return fut
 
     @property

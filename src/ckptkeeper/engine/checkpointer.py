@@ -367,11 +367,9 @@ class Checkpointer:
         Object stores: step folders without a commit record, through their upload intents (only
         the announced objects), and the unfinished multipart uploads those intents announced.
 
-        This checkpointer's own background save is waited for first: its work folder is not a
-        leftover (found by an outside attack: it was deleted under the running save, which then
-        committed a checkpoint without its tensors). Other writers' saves in progress are not
-        known here; the save folder's lease (:class:`~ckptkeeper.CheckpointManager`) keeps them out.
+        Work folders of saves running in this process (any thread, any checkpointer, sync or
+        async) are not leftovers and are left alone (found by an outside attack: one was deleted
+        under its running save, which then committed a checkpoint without its tensors). Other
+        processes' saves are kept out by the save folder's lease (:class:`~ckptkeeper.CheckpointManager`).
         """
-        self._runner.refuse_inside("Checkpointer.clean_scratch()")
-        self._runner.settle()
         return clean_save_folder(save_folder)

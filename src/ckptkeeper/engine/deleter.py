@@ -445,8 +445,37 @@ def clean_leftover(storage: Storage, final: str) -> int:
     return len(doomed) + len(intents)
 
 
+# Work folders of saves running in this process (real paths, with how many saves use each): not
+# leftovers, whoever asks for a clean-up (another thread, another checkpointer, a signal handler).
+# A clean-up deleted a running save's work folder, which then committed without its tensors or
+# failed (found by an outside attack).
+_IN_PROGRESS: dict[str, int] = {}
+_IN_PROGRESS_LOCK = threading.Lock()
+
+
+def mark_in_progress(work: str) -> Callable[[], None]:
+    """Note ``work`` as a save's work folder until the returned function is called."""
+    key = os.path.realpath(work)
+    with _IN_PROGRESS_LOCK:
+        _IN_PROGRESS[key] = _IN_PROGRESS.get(key, 0) + 1
+
+    def unmark() -> None:
+        with _IN_PROGRESS_LOCK:
+            left = _IN_PROGRESS.get(key, 0) - 1
+            if left > 0:
+                _IN_PROGRESS[key] = left
+            else:
+                _IN_PROGRESS.pop(key, None)
+
+    return unmark
+
+
 def clean_save_folder(save_folder: str) -> list[str]:
-    """Delete leftovers of interrupted saves and removals that are provably ckptkeeper's; returns them."""
+    """Delete leftovers of interrupted saves and removals that are provably ckptkeeper's; returns them.
+
+    Work folders of saves running in this process are not leftovers and are left alone; those of
+    other processes are kept out by the save folder's lease (:class:`~ckptkeeper.CheckpointManager`).
+    """
     storage = storage_for(save_folder)
     gone: list[str] = []
     local = storage.local_path(save_folder)
@@ -454,6 +483,11 @@ def clean_save_folder(save_folder: str) -> list[str]:
     if local is not None:
         for name in names:
             full = os.path.join(local, name)
+            # Read after the listing: a save that made its folder before it is marked by now.
+            with _IN_PROGRESS_LOCK:
+                running = os.path.realpath(full) in _IN_PROGRESS
+            if running:
+                continue
             if is_scratch_name(name) and os.path.isdir(full) and not os.path.islink(full):
                 shutil.rmtree(full, ignore_errors=True)
                 gone.append(full)

@@ -34,6 +34,7 @@ from ..storage.layout import COMMIT_RECORD, MAX_STEP, MODEL_DIR, step_dir_name, 
 from ..storage.local import translate_os_error
 from .agreement import agree, unwrap
 from .commit import CommitMethod
+from .deleter import mark_in_progress
 from .discovery import LAYOUT_FILE
 from .fastio import (
     DATA_FILE,
@@ -98,7 +99,7 @@ class SaveStage:
     (the background writer for async saves). Whatever it raises is handled exactly like an I/O
     error at that point of the save (the checkpoint stays invisible, the error names the step);
     it may also block or sleep to hold a save in flight, but not wait for the save it runs in:
-    the checkpointer's (and its manager's) calls that would raise
+    the checkpointer's (and its manager's) calls that would wait raise
     :class:`~ckptkeeper.errors.ConfigurationError` there before changing anything (the save then
     fails with it) instead of waiting for ever. Stages, in order: ``"preparing"``,
     ``"writing tensors"``, ``"writing trainer state"``, ``"uploading"`` (object stores only) and
@@ -191,6 +192,10 @@ def write_checkpoint(
     work = commit.work_folder(save_folder, step, token)
     files: dict[str, FileEntry] = {}
     written: dict[str, FileEntry] = {}
+    # Files this rank wrote that were hashed from the folder rather than as written: each must be
+    # found by that walk (a file deleted under the save was otherwise simply left out of the
+    # record, and the save committed without it; found by an outside attack).
+    expected: set[str] = set()
     extra: dict[str, Any] = {"metrics": dict(metrics)} if metrics else {}
     stage = "preparing"
 
@@ -244,7 +249,10 @@ def write_checkpoint(
                 # requires_grad in its metadata).
                 plain = detached_tree(tensors)
                 check_plain(plain)
-                _write_with_dcp(settings, model_dir, plain, world)
+                saved = _write_with_dcp(settings, model_dir, plain, world)
+                expected.update(
+                    f"{MODEL_DIR}/{rel}" for rel in saved if world == 1 or _written_by(f"{MODEL_DIR}/{rel}", rank)
+                )
         if out is not None:
             fast_files, segments = out
             written.update({f"{MODEL_DIR}/{k}": v for k, v in fast_files.items()})
@@ -257,6 +265,7 @@ def write_checkpoint(
                 encoded = json.dumps(table).encode()
             with translate_os_error(work):
                 storage_for(work).write_bytes(os.path.join(work, LAYOUT_FILE), encoded)
+            expected.add(LAYOUT_FILE)
         return None
 
     def finish_own_files() -> dict[str, FileEntry]:
@@ -272,6 +281,10 @@ def write_checkpoint(
         with translate_os_error(work):
             storage_for(work).write_bytes(os.path.join(work, train_state_name(rank)), payload)
         mine = _hash_own_files(work, rank, world, skip=set(written))
+        for rel in sorted(expected | {train_state_name(rank)}):
+            if rel not in mine:
+                path = os.path.join(work, rel)
+                raise FileNotFoundError(errno.ENOENT, "a file this save wrote vanished from its work folder", path)
         mine.update(written)
         if commit.uploads:
             enter("uploading")
@@ -288,6 +301,7 @@ def write_checkpoint(
     my_layout: list[tuple[ShardLayout, tuple[str, ...]]] = []
     streamed: list[str] = []
     all_layouts: list[tuple[ShardLayout, tuple[str, ...]]] = []
+    unmark = mark_in_progress(work)
     try:
         signatures = agree(prepare, step, pg)
         # Every rank takes the same path: the per-rank fast writer only where all ranks can, and
@@ -341,7 +355,10 @@ def write_checkpoint(
             f"saving step {step} to {final} failed{on_rank} while {stage} ({where}): {exc}"
         ) from exc
     finally:
-        commit.finish(work)
+        try:
+            commit.finish(work)
+        finally:
+            unmark()
     total = sum(e.bytes for e in files.values())
     elapsed = time.perf_counter() - t0
     log.info(
@@ -356,15 +373,20 @@ def write_checkpoint(
     return SaveResult(step, final, ephemeral, total, elapsed, elapsed, len(files), retries)
 
 
-def _write_with_dcp(settings: SaveSettings, model_dir: str, tensors: Mapping[str, Any], world: int) -> None:
-    """Write the tensor tree with DCP's own writer (what the fast writer does not take)."""
+def _write_with_dcp(settings: SaveSettings, model_dir: str, tensors: Mapping[str, Any], world: int) -> set[str]:
+    """Write the tensor tree with DCP's own writer (what the fast writer does not take); the files
+    it wrote, every rank's (relative to ``model_dir``: its ``.metadata`` and the data files its
+    metadata names)."""
     with quiet_dcp():
-        dcp_save(
+        metadata = dcp_save(
             dict(tensors),
             storage_writer=FileSystemWriter(model_dir, sync_files=True),
             process_group=settings.process_group,
             no_dist=world == 1,
         )
+    storage_data = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    names = {info.relative_path for info in storage_data.values() if hasattr(info, "relative_path")}
+    return {".metadata", *names}
 
 
 def _hash_own_files(work: str, rank: int, world: int, skip: set[str] | None = None) -> dict[str, FileEntry]:
