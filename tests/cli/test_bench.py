@@ -110,7 +110,9 @@ def test_compare_tensors_refuses_an_unfair_comparison(tmp_path: Path) -> None:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
 
     more = bench("--model-mib", "2", "--tensors", "8", "--compare-tensors", "20")
-    assert more.returncode != 0 and "--compare-tensors 20 is more than the state's 8 tensors" in more.stderr
+    assert more.returncode != 0 and "--compare-tensors 20 is not fewer tensors than the state's 8" in more.stderr
+    same = bench("--model-mib", "2", "--tensors", "3", "--compare-tensors", "2")  # one layer each
+    assert same.returncode != 0 and "is not fewer tensors" in same.stderr
     # 1 MiB in 20,000 tensors rounds to layers 5 wide: 14% more bytes than in 10 tensors.
     unequal = bench("--model-mib", "1", "--tensors", "20000", "--compare-tensors", "10")
     assert unequal.returncode != 0 and "raise --model-mib or use fewer tensors" in unequal.stderr

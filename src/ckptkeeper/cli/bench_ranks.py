@@ -117,10 +117,12 @@ def _check_comparison(model_mib: int, tensors: int, few: int, world: int) -> Non
     """ConfigurationError unless --compare-tensors ``few`` makes a fair comparison state: fewer
     tensors than the main state's, of about the same bytes (very many tensors of a small model
     round to layers too narrow to keep the size)."""
-    if few > tensors:
+    # Compared as built: layers of a weight and a bias each (3 and 2 tensors both make one layer).
+    if _layout(model_mib, few, world)[0] >= _layout(model_mib, tensors, world)[0]:
         raise ConfigurationError(
-            f"--compare-tensors {few} is more than the state's {tensors} tensors (--tensors); it is the few-tensor "
-            f"side of the comparison: give fewer (e.g. --compare-tensors 10)"
+            f"--compare-tensors {few} is not fewer tensors than the state's {tensors} (--tensors; both are built as "
+            "layers of a weight and a bias); it is the few-tensor side of the comparison: give fewer "
+            "(e.g. --compare-tensors 10)"
         )
     sizes = {n: _model_bytes(model_mib, n, world) for n in (tensors, few)}
     if abs(sizes[few] - sizes[tensors]) > 0.1 * sizes[tensors]:
