@@ -615,43 +615,50 @@ def test_a_hook_may_collect_a_save_that_has_finished(tmp_path: Path) -> None:
     ckpt.close()
 
 
+@pytest.mark.parametrize("store", [False, True])
 @pytest.mark.parametrize("who", ["training thread", "hook", "another thread's sync save"])
-def test_cleaning_scratch_during_saves_leaves_their_work_folders_alone(tmp_path: Path, who: str) -> None:
-    # A running save's work folder is not a leftover, whoever asks for the clean-up and however
-    # the save runs: deleted under the save, the save committed a checkpoint without its tensors
-    # (found by an outside attack).
+def test_cleaning_scratch_during_saves_leaves_their_work_folders_alone(tmp_path: Path, who: str, store: bool) -> None:
+    # A running save's work folder (on an object store: its uploads, announced by intents, before
+    # the record) is not a leftover, whoever asks for the clean-up and however the save runs:
+    # deleted under the save, the save committed a checkpoint without its tensors (found by
+    # outside attacks).
+    import uuid
+
+    folder = f"memory://cleaning-{uuid.uuid4().hex[:8]}" if store else str(tmp_path)
     st = _state()
     writing, go_on = threading.Event(), threading.Event()
     removed: list[str] = []
 
     def hold(stage: SaveStage) -> None:
-        if stage.name == "writing trainer state" and stage.step == 2:
+        if stage.name == "publishing" and stage.step == 2:  # everything written (and uploaded)
             if who == "hook":
-                removed.extend(ckpt.clean_scratch(str(tmp_path)))
+                removed.extend(ckpt.clean_scratch(folder))
             writing.set()
             go_on.wait(10)
 
     ckpt = Checkpointer(on_stage=hold)
-    (tmp_path / ".tmp-step1-0123abcd").mkdir()  # an interrupted save's leftover: cleaned
+    if not store:
+        (tmp_path / ".tmp-step1-0123abcd").mkdir()  # an interrupted save's leftover: cleaned
     if who == "another thread's sync save":
         results: list[Any] = []
-        saver = threading.Thread(target=lambda: results.append(ckpt.save(str(tmp_path), 2, st)))
+        saver = threading.Thread(target=lambda: results.append(ckpt.save(folder, 2, st)))
         saver.start()
     else:
-        _, fut = ckpt.save_async(str(tmp_path), 2, st)
+        _, fut = ckpt.save_async(folder, 2, st)
     assert writing.wait(10)
     if who != "hook":
-        removed.extend(Checkpointer().clean_scratch(str(tmp_path)))  # another checkpointer, too
+        removed.extend(Checkpointer().clean_scratch(folder))  # another checkpointer, too
     go_on.set()
     if who == "another thread's sync save":
         saver.join(10)
         assert results and results[0].step == 2
     else:
         assert fut.result().step == 2
-    assert [os.path.basename(p) for p in removed] == [".tmp-step1-0123abcd"]
-    assert ckpt.find_checkpoints(str(tmp_path)) == [(2, str(tmp_path / "step2"))]
-    ckpt.verify(str(tmp_path / "step2"))
-    ckpt.load(str(tmp_path / "step2"), _state())
+    assert [os.path.basename(p) for p in removed] == ([] if store else [".tmp-step1-0123abcd"])
+    step2 = ckpt.find_checkpoints(folder)
+    assert [s for s, _ in step2] == [2]
+    ckpt.verify(step2[0][1])
+    ckpt.load(step2[0][1], _state())
     ckpt.close()
 
 
@@ -743,7 +750,7 @@ def test_a_save_whose_work_folder_is_damaged_before_the_commit_fails_and_publish
     ckpt.close()
 
 
-@pytest.mark.parametrize("call", ["load", "save_async", "close", "wait"])
+@pytest.mark.parametrize("call", ["load", "save_async", "close", "wait", "save"])
 def test_a_done_callback_of_a_save_gets_an_error_instead_of_a_deadlock(tmp_path: Path, call: str) -> None:
     # A save's done-callbacks run on the writer thread after the save has returned: a load or
     # the next save there waited for that thread to be free, for ever.
@@ -761,6 +768,8 @@ def test_a_done_callback_of_a_save_gets_an_error_instead_of_a_deadlock(tmp_path:
                 ckpt.save_async(str(tmp_path), 3, st)
             elif call == "close":
                 ckpt.close()
+            elif call == "save":
+                outcome.append(ckpt.save(str(tmp_path), 3, st))  # blocks on nothing: not refused
             else:
                 outcome.append(ckpt.wait())  # the save has finished: collected, not refused
         except BaseException as exc:
@@ -779,15 +788,15 @@ def test_a_done_callback_of_a_save_gets_an_error_instead_of_a_deadlock(tmp_path:
     fut.add_done_callback(callback)
     gate.set()
     assert done.wait(20), "the callback's call waited for the writer thread it runs on"
-    if call == "wait":
-        assert len(outcome) == 1 and outcome[0].step == 2
+    if call in ("wait", "save"):
+        assert len(outcome) == 1 and outcome[0].step == (2 if call == "wait" else 3), outcome
     else:
         assert len(outcome) == 1 and isinstance(outcome[0], ConfigurationError), outcome
         assert "writer thread" in str(outcome[0])
     ckpt.on_stage = None
     ckpt.save_async(str(tmp_path), 4, st)[1].result()  # saving goes on
     ckpt.close()
-    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [1, 2, 4]
+    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == ([1, 2, 3, 4] if call == "save" else [1, 2, 4])
 
 
 def test_a_sync_save_hook_that_closes_the_manager_changes_nothing(tmp_path: Path) -> None:
@@ -819,3 +828,34 @@ def test_a_sync_save_hook_that_closes_the_manager_changes_nothing(tmp_path: Path
     mgr.save_if_due(3)
     mgr.close()
     assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path))] == [0, 1, 3]
+
+
+def test_an_exception_inside_the_hand_over_never_leaves_the_writer_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A signal handler other than Python's default Ctrl-C may raise inside the executor's
+    # submit(), after the job is queued: the job must still run (it is untracked then, as before),
+    # not wait for ever for a record that never comes (found by an outside attack).
+    import concurrent.futures.thread as cft
+
+    original = cft.ThreadPoolExecutor._adjust_thread_count
+    fired: list[bool] = []
+
+    def raising_once(self: Any) -> None:
+        original(self)
+        if not fired:
+            fired.append(True)
+            raise SystemExit("a handler raised inside submit()")
+
+    monkeypatch.setattr(cft.ThreadPoolExecutor, "_adjust_thread_count", raising_once)
+    st = _state()
+    ckpt = Checkpointer()
+    with pytest.raises(SystemExit):
+        ckpt.save_async(str(tmp_path), 1, st)
+    done = threading.Event()
+    second = threading.Thread(target=lambda: (ckpt.save_async(str(tmp_path), 2, st)[1].result(), done.set()))
+    second.daemon = True
+    second.start()
+    assert done.wait(20), "the writer waited for ever for the interrupted hand-over"
+    ckpt.close()
+    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [1, 2]

@@ -92,7 +92,8 @@ class AsyncRunner(Generic[T]):
         if getattr(self._inside, "writer", False):
             raise ConfigurationError(
                 f"{what} was called inside a background save, on its own writer thread (from an on_stage "
-                "hook?), where it would wait for that save to end, for ever; call it from the training code"
+                "hook, or a done-callback of a save's future?), where it would wait for that thread to be free, "
+                "for ever; call it from the training code"
             )
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
@@ -111,13 +112,15 @@ class AsyncRunner(Generic[T]):
         with _ctrl_c_held():
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
-            fut = self._executor.submit(run)
             try:
+                fut = self._executor.submit(run)
                 with self._lock:
                     self._last = fut
                     self._uncollected.add(fut)
             finally:
-                recorded.set()  # whatever happened here: the writer must never wait for ever
+                # Whatever happened here (a signal handler raising inside submit(), after the job
+                # was queued, say): the writer must never wait for ever.
+                recorded.set()
         return fut
 
     @property
@@ -126,7 +129,7 @@ class AsyncRunner(Generic[T]):
         with self._lock:
             return self._last is not None and not self._last.done()
 
-    def wait(self) -> T | None:
+    def wait(self, what: str = "wait()") -> T | None:
         """Wait for the job in flight, if any, and forget it; re-raises its error.
 
         Interrupted while waiting (Ctrl-C), the job stays the one in flight: its outcome is
@@ -136,7 +139,7 @@ class AsyncRunner(Generic[T]):
             fut = self._last
             if fut not in self._uncollected:
                 return None  # none started, or its outcome was collected
-        return self.wait_for(fut, "wait()")
+        return self.wait_for(fut, what)
 
     def wait_for(self, fut: Future[T], what: str = "wait_for()") -> T | None:
         """Wait for ``fut`` (a job of this runner); its result, or its error raised.

@@ -142,10 +142,11 @@ class Checkpointer:
         ``metrics`` (names to finite numbers) go into the commit record, where retention by metric
         (``keep_best``) and ``ckptkeeper inspect`` read them.
         """
-        self._runner.refuse_inside("Checkpointer.save()")
         t0 = time.perf_counter()
         checked = checked_metrics(step, metrics)
-        self.wait()
+        # Refused only where it would block (inside the save in flight): a synchronous save uses
+        # no writer thread, so a done-callback may make one.
+        self._runner.wait("Checkpointer.save()")
         # The caller waits for the whole save: the collector's pauses cost it nothing here.
         with paused_gc():
             tensors, meta = capture_to_write(state)

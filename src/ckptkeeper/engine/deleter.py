@@ -453,21 +453,35 @@ _IN_PROGRESS: dict[str, int] = {}
 _IN_PROGRESS_LOCK = threading.Lock()
 
 
-def mark_in_progress(work: str) -> Callable[[], None]:
-    """Note ``work`` as a save's work folder until the returned function is called."""
-    key = os.path.realpath(work)
+def _in_progress_key(path: str) -> str:
+    # Local paths by their real path (a save made through a symlink is the same save); store
+    # URLs as they are (storage.join spells a step folder the same way for the save and here).
+    return path if "://" in path else os.path.realpath(path)
+
+
+def mark_in_progress(*paths: str) -> Callable[[], None]:
+    """Note ``paths`` (a save's local work folder, and on an object store its step folder there,
+    which holds its uploads before the commit record) as in use until the returned function is called."""
+    keys = [_in_progress_key(p) for p in paths]
     with _IN_PROGRESS_LOCK:
-        _IN_PROGRESS[key] = _IN_PROGRESS.get(key, 0) + 1
+        for key in keys:
+            _IN_PROGRESS[key] = _IN_PROGRESS.get(key, 0) + 1
 
     def unmark() -> None:
         with _IN_PROGRESS_LOCK:
-            left = _IN_PROGRESS.get(key, 0) - 1
-            if left > 0:
-                _IN_PROGRESS[key] = left
-            else:
-                _IN_PROGRESS.pop(key, None)
+            for key in keys:
+                left = _IN_PROGRESS.get(key, 0) - 1
+                if left > 0:
+                    _IN_PROGRESS[key] = left
+                else:
+                    _IN_PROGRESS.pop(key, None)
 
     return unmark
+
+
+def _running(path: str) -> bool:
+    with _IN_PROGRESS_LOCK:
+        return _in_progress_key(path) in _IN_PROGRESS
 
 
 def clean_save_folder(save_folder: str) -> list[str]:
@@ -484,9 +498,7 @@ def clean_save_folder(save_folder: str) -> list[str]:
         for name in names:
             full = os.path.join(local, name)
             # Read after the listing: a save that made its folder before it is marked by now.
-            with _IN_PROGRESS_LOCK:
-                running = os.path.realpath(full) in _IN_PROGRESS
-            if running:
+            if _running(full):
                 continue
             if is_scratch_name(name) and os.path.isdir(full) and not os.path.islink(full):
                 shutil.rmtree(full, ignore_errors=True)
@@ -496,6 +508,8 @@ def clean_save_folder(save_folder: str) -> list[str]:
         if parse_step(name) is None:
             continue
         full = storage.join(save_folder, name)
+        if _running(full):
+            continue  # a save of this process is uploading there: its intents are not a crash's
         try:
             if clean_leftover(storage, full):
                 gone.append(full)

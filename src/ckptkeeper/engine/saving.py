@@ -301,7 +301,7 @@ def write_checkpoint(
     my_layout: list[tuple[ShardLayout, tuple[str, ...]]] = []
     streamed: list[str] = []
     all_layouts: list[tuple[ShardLayout, tuple[str, ...]]] = []
-    unmark = mark_in_progress(work)
+    unmark = mark_in_progress(work, final)
     try:
         signatures = agree(prepare, step, pg)
         # Every rank takes the same path: the per-rank fast writer only where all ranks can, and
