@@ -27,6 +27,7 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
@@ -237,3 +238,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # As `ckptkeeper bench` and `train` do: interpreter teardown after a finished gloo run sometimes
+    # aborts in a gloo thread ("terminate called without an active exception", seen once in the
+    # suite under load), turning a good run into a failed one; everything is printed, so leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
