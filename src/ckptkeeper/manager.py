@@ -677,14 +677,16 @@ class CheckpointManager:
         if not self._opened:
             raise ConfigurationError("call restore() before saving (it takes the save folder and resumes)")
         self.poll()
-        what: dict[str, Any] = {"train_state": self.train_state(), "ephemeral": ephemeral, "metrics": metrics}
         if use_async:
+            what: dict[str, Any] = {"train_state": self.train_state(), "ephemeral": ephemeral, "metrics": metrics}
             path, fut = self.checkpointer.save_async(self.save_folder, self.step, self.state, **what)
             self._pending.append((path, fut))
             self._last_save_time = time.monotonic()
             return path, fut
         self._sync_saving = threading.get_ident()
         try:
+            # The trainer state inside: its objects' state_dict() is user code, refused like a hook.
+            what = {"train_state": self.train_state(), "ephemeral": ephemeral, "metrics": metrics}
             result = self.checkpointer.save(self.save_folder, self.step, self.state, **what)
         finally:
             self._sync_saving = None

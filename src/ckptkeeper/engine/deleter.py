@@ -455,8 +455,14 @@ _IN_PROGRESS_LOCK = threading.Lock()
 
 def _in_progress_key(path: str) -> str:
     # Local paths by their real path (a save made through a symlink is the same save); store
-    # URLs as they are (storage.join spells a step folder the same way for the save and here).
-    return path if "://" in path else os.path.realpath(path)
+    # URLs without empty parts, as the stores read them (memory:///b/run and s3://b//run name
+    # the objects memory://b/run and s3://b/run do: found by an outside attack).
+    if "://" not in path:
+        return os.path.realpath(path)
+    scheme, rest = path.split("://", 1)
+    if scheme == "file":
+        return os.path.realpath(rest)
+    return f"{scheme}://" + "/".join(part for part in rest.split("/") if part)
 
 
 def mark_in_progress(*paths: str) -> Callable[[], None]:
