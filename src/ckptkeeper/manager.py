@@ -212,7 +212,7 @@ class CheckpointManager:
         self._opened = False
         self._begun = False
         self._closed = False
-        self._sync_saving: int | None = None  # the thread inside this manager's own synchronous save
+        self._writing: int | None = None  # the thread inside write_checkpoint (user code runs there)
         self._future: Future[Any] | None = None
         self._latest_step = -1
         self._latest_path = ""
@@ -633,13 +633,14 @@ class CheckpointManager:
     def _refuse_in_save(self, what: str) -> None:
         # Called from inside this manager's own background save (an on_stage hook on the writer
         # thread), each of these would wait for that save: an error, before anything changes.
-        # From inside its own synchronous save (the hook runs on the caller's thread), close()
-        # released the folder's lease under the running save: refused the same way.
+        # From inside its own write_checkpoint (a synchronous save's hook, a json_state object's
+        # state_dict(): user code on the caller's thread), close() released the folder's lease
+        # under the running save: refused the same way.
         self.checkpointer.refuse_inside_save(what)
-        if self._sync_saving == threading.get_ident():
+        if self._writing == threading.get_ident():
             raise ConfigurationError(
-                f"{what} was called inside this manager's own synchronous save (from an on_stage hook?), which "
-                "is still writing; call it from the training code"
+                f"{what} was called inside this manager's own save (from an on_stage hook or a json_state "
+                "object?), which is still writing; call it from the training code"
             )
 
     def mark_reported(self, exc: BaseException) -> None:
@@ -677,19 +678,22 @@ class CheckpointManager:
         if not self._opened:
             raise ConfigurationError("call restore() before saving (it takes the save folder and resumes)")
         self.poll()
-        if use_async:
-            what: dict[str, Any] = {"train_state": self.train_state(), "ephemeral": ephemeral, "metrics": metrics}
-            path, fut = self.checkpointer.save_async(self.save_folder, self.step, self.state, **what)
-            self._pending.append((path, fut))
-            self._last_save_time = time.monotonic()
-            return path, fut
-        self._sync_saving = threading.get_ident()
+        # Marked while user code runs here (the trainer state's objects, a synchronous save's hooks).
+        self._writing = threading.get_ident()
         try:
-            # The trainer state inside: its objects' state_dict() is user code, refused like a hook.
-            what = {"train_state": self.train_state(), "ephemeral": ephemeral, "metrics": metrics}
-            result = self.checkpointer.save(self.save_folder, self.step, self.state, **what)
+            ts = self.train_state()
+            if use_async:
+                path, fut = self.checkpointer.save_async(
+                    self.save_folder, self.step, self.state, train_state=ts, ephemeral=ephemeral, metrics=metrics
+                )
+                self._pending.append((path, fut))
+                self._last_save_time = time.monotonic()
+                return path, fut
+            result = self.checkpointer.save(
+                self.save_folder, self.step, self.state, train_state=ts, ephemeral=ephemeral, metrics=metrics
+            )
         finally:
-            self._sync_saving = None
+            self._writing = None
         self._last_save_time = time.monotonic()
         self._notify_saved(result.path, result)
         return result.path, None

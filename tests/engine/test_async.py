@@ -864,9 +864,12 @@ def test_an_exception_inside_the_hand_over_never_leaves_the_writer_waiting(
     assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [1, 2]
 
 
-def test_trainer_state_code_that_closes_the_manager_during_its_sync_save_changes_nothing(tmp_path: Path) -> None:
-    # The trainer state's objects run user code (state_dict()) inside the manager's synchronous
-    # save: closing the manager there released the folder's lease under the save.
+@pytest.mark.parametrize("use_async", [False, True])
+def test_trainer_state_code_that_closes_the_manager_during_its_save_changes_nothing(
+    tmp_path: Path, use_async: bool
+) -> None:
+    # The trainer state's objects run user code (state_dict()) inside the manager's save:
+    # closing the manager there released the folder's lease under the save.
     from ckptkeeper import CheckpointManager, CheckpointPolicyConfig
 
     box: list[CheckpointManager] = []
@@ -890,7 +893,7 @@ def test_trainer_state_code_that_closes_the_manager_during_its_sync_save_changes
     lease = mgr.lease
     closing.armed = True
     with pytest.raises(ConfigurationError, match=r"CheckpointManager\.close"):
-        mgr.write_checkpoint(use_async=False)
+        mgr.write_checkpoint(use_async=use_async)
     assert mgr.lease is lease is not None and not mgr._closed
     closing.armed = False
     mgr.close()
