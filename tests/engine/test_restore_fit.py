@@ -939,3 +939,41 @@ def test_state_digest_takes_lazy_conjugates_and_negations_by_their_values() -> N
     assert state_digest(lazy) == state_digest(plain)
     plain.n[0] += 1
     assert state_digest(lazy) != state_digest(plain)
+
+
+def test_a_plans_flat_list_is_exactly_the_leaves_of_its_tree() -> None:
+    # LoadPlan.flat, made while planning, replaces a walk of the plan's tree in the readers: it
+    # must name every destination the tree holds, under the tree's dotted name, and nothing else
+    # (dotted and nested optimizer slots, slots left without tensors, tensors in extras, and
+    # keys a non-strict load leaves out or reports).
+    from ckptkeeper.engine.fastio import _leaves
+    from ckptkeeper.engine.state import SavedTensor, flatten_tensors
+
+    class Holder:
+        def __init__(self) -> None:
+            self.t = {"a": torch.ones(3), "deep": {"b": torch.zeros(2, 2)}}
+            self.n = 4
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"t": self.t, "n": self.n}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.t, self.n = sd["t"], sd["n"]
+
+    for optimizer in (_Nested, _Tally, lambda ps: torch.optim.AdamW(ps, lr=0.1)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        st = TrainingState(model, optimizer(model.parameters()), extra={"h": Holder()})
+        _plain_step(st, 0)
+        tensors, meta = st.capture()
+        saved: dict[str, SavedTensor | None] = {
+            k: SavedTensor(tuple(t.shape), t.dtype) for k, t in flatten_tensors(tensors)
+        }
+        for drop in (None, "model.2.bias", "optim.state.0.weight"):
+            cut = {k: v for k, v in saved.items() if drop is None or not k.startswith(drop)}
+            loose = TrainingState(st.model, st.optimizer, extra=st.extra, strict=False)
+            plan = loose.plan_load(cut, meta, "here")
+            assert plan.flat is not None
+            from_tree = sorted((name, id(t)) for name, _, t in _leaves(plan.tensors))
+            assert from_tree and sorted((name, id(t)) for name, t in plan.flat) == from_tree
+            assert len(plan.flat) == len(from_tree)

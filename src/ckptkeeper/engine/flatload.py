@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 import xxhash
+from torch.distributed.tensor import DTensor
 
 from .fastio import (
     _SMALL_PIECE,
@@ -48,7 +49,6 @@ from .sharded import (
     KindFacts,
     Source,
     _region,
-    _usable,
     bad_table_piece,
     check_whole,
     index_columns,
@@ -129,23 +129,48 @@ def flat_index(own_doc: Any, own_file: str, index_doc: Any, world: int, sizes: M
     return FlatIndex(saved, spots)
 
 
-def plan_flat(tensors: Mapping[str, Any], index: FlatIndex, world: int) -> list[FlatRead] | None:
+def plan_flat(
+    tensors: Mapping[str, Any],
+    index: FlatIndex,
+    world: int,
+    leaves: list[tuple[str, torch.Tensor]] | None = None,
+) -> list[FlatRead] | None:
     """The reads of every destination in ``tensors``, one piece each, in read order; None when a
     destination is one no fast reader takes (the caller uses DCP's reader, as the general planner
-    would). :class:`NotPlaced` when a destination is not exactly one piece of ``index``."""
+    would). :class:`NotPlaced` when a destination is not exactly one piece of ``index``.
+    ``leaves``: every leaf of ``tensors`` as (dotted name, tensor), when the caller has them
+    (:attr:`~ckptkeeper.engine.state.LoadPlan.flat`)."""
     reads: list[FlatRead] = []
     saved, spots = index.saved, index.spots
     new, append = tuple.__new__, reads.append
-    for order, (fqn, _, value) in enumerate(_leaves(tensors)):
-        region = _region(value, world)
-        if region is None:
-            return None
-        local, offsets, _ = region  # the global shape was checked by plan_load
+    if leaves is None:
+        leaves = [(fqn, value) for fqn, _, value in _leaves(tensors)]
+    # Each sharding spec's box once per plan: an optimizer's slots share their parameter's spec
+    # object. Keyed by id(): every spec is held by a leaf for the whole loop, so no id is reused.
+    boxes: dict[int, Any] = {}
+    for order, (fqn, value) in enumerate(leaves):
+        if type(value) is DTensor:
+            local = value._local_tensor
+            spec = value._spec
+            box = boxes.get(id(spec), _NO_BOX)
+            if box is _NO_BOX:
+                region = _region(value, world)
+                box = boxes[id(spec)] = None if region is None else (region[0].shape, region[1])
+            if box is None or local.shape != box[0]:
+                return None
+            offsets = box[1]
+        else:
+            region = _region(value, world)
+            if region is None:
+                return None
+            local, offsets, _ = region  # the global shape was checked by plan_load
         info = saved.get(fqn)
         if (
             info is None
             or info.dtype != local.dtype
-            or not _usable(local)
+            or not local.is_cpu
+            or local.is_sparse
+            or local.is_quantized
             or not local.is_contiguous()
             # Its memory holds the conjugated or negated values: raw bytes copied there would load
             # them wrong (found by an outside attack). DCP's reader copies through the view.
@@ -162,6 +187,9 @@ def plan_flat(tensors: Mapping[str, Any], index: FlatIndex, world: int) -> list[
             append(new(FlatRead, (spot[0], spot[1], order, spot[2], spot[3], fqn, local)))
     reads.sort()
     return reads
+
+
+_NO_BOX = object()
 
 
 def flat_segments(reads: list[FlatRead]) -> dict[str, list[Segment]]:

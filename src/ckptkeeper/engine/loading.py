@@ -291,7 +291,7 @@ def _load_verified(
                 raise _corrupt(path, exc) from None
         try:
             if isinstance(index, FlatIndex):
-                reads: Any = plan_flat(plan.tensors, index, world)
+                reads: Any = plan_flat(plan.tensors, index, world, plan.flat)
                 prep["flat"] = reads is not None
             else:
                 reads = plan_reads(plan.tensors, index, world, path)
