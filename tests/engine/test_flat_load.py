@@ -266,6 +266,7 @@ class _Buffered:
 
 @pytest.mark.parametrize("how", ["scatter", "buffered", "no backup"])
 @pytest.mark.parametrize(("fqn", "kind"), [("w3", "head"), ("w3", "data"), ("w3", "tail"), ("s0", "data"),
+                                           ("w0", "head"), ("b", "tail"), ("s0", "tail"),  # a run's ends
                                            ("big", "head"), ("big", "data"), ("big", "tail")])  # fmt: skip
 def test_a_flipped_byte_is_named_and_nothing_of_its_job_is_unguarded(
     tmp_path: Path, fqn: str, kind: str, how: str
