@@ -93,6 +93,18 @@ class CheckpointEvent:
     path: str = ""
 
 
+@dataclass
+class _InFlight:
+    """An async save in flight and the run's bookkeeping from before it (put back if it fails)."""
+
+    future: Future[SaveResult]
+    path: str
+    before: tuple[int, str, SaveKind | None]
+    """The newest save's step, path and kind before this one."""
+    book: tuple[list[str], list[str], list[str]]
+    """:meth:`RetentionBook.snapshot` from before this save was noted."""
+
+
 class CheckpointManager:
     """Checkpoints for a training loop you write yourself.
 
@@ -217,6 +229,8 @@ class CheckpointManager:
         self._latest_step = -1
         self._latest_path = ""
         self._latest_kind: SaveKind | None = None
+        # The async save in flight, with the bookkeeping from before it, put back if it fails.
+        self._in_flight: _InFlight | None = None
         self._book: RetentionBook[str] = RetentionBook()
         self._pending: list[tuple[str, Future[SaveResult]]] = []
         self._bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-bookkeeping")
@@ -509,12 +523,14 @@ class CheckpointManager:
         metrics = self._at_step(step, metrics)
         if not self.config.enabled:
             return None
+        # A preemption signal first: a failed save's error raised here would stop a loop that
+        # does not catch it before the preemption save (the preemption logs that error instead).
+        if self.save_on_signals and not D.all_agree(self._signalled is None):
+            return self._preempt(metrics)
         self._await_last(blocking=False)
         if not self.checkpoint_pending:
             self._remove_due()
         self.poll()
-        if self.save_on_signals and not D.all_agree(self._signalled is None):
-            return self._preempt(metrics)
         if step == self._latest_step:
             return None  # called twice for one step (a framework hook, say): it is saved already
         kind = decide_save(self.config, step, self._latest_step, skip_ephemeral)
@@ -705,8 +721,11 @@ class CheckpointManager:
         if was_pending:
             # The save that superseded these is durable now; removing them no longer risks anything.
             self._remove_due()
+        before = (self._latest_step, self._latest_path, self._latest_kind)
+        book = self._book.snapshot()
         path, fut = self.write_checkpoint(ephemeral=kind == SaveKind.ephemeral, use_async=use_async, metrics=metrics)
         self._future = fut
+        self._in_flight = None if fut is None else _InFlight(fut, path, before, book)
         self._latest_step = self.step
         self._latest_path = path
         self._latest_kind = kind
@@ -730,8 +749,10 @@ class CheckpointManager:
             # (this, checkpointer.wait(), another thread, a signal handler's wait).
             self.checkpointer.wait_for(fut)
         except BaseException as exc:
-            if is_outcome(fut, exc) and self._future is fut:
-                self._future = None  # the save's own error, raised here
+            if is_outcome(fut, exc):
+                self._forget_failed(fut)
+                if self._future is fut:
+                    self._future = None  # the save's own error, raised here
             # Otherwise interrupted while waiting (Ctrl-C): the save is still the one in flight,
             # awaited again next time.
             raise
@@ -740,12 +761,29 @@ class CheckpointManager:
         if fut.cancelled() or fut.exception() is not None:
             # It failed, and its error was raised by another waiter (the same on every rank: a
             # save fails on all ranks together, so none goes on to the round below).
+            self._forget_failed(fut)
             return
+        if self._in_flight is not None and self._in_flight.future is fut:
+            self._in_flight = None
         if not D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(self._latest_path)):
             raise CheckpointSaveError(
                 f"the save of step {self._latest_step} finished but {self._latest_path} is not a complete checkpoint"
             )
         self._apply_retention()
+
+    def _forget_failed(self, fut: Future[SaveResult]) -> None:
+        """The async save of ``fut`` failed: it saved nothing, so the run's bookkeeping goes back to
+        before it. Otherwise the step counted as saved (``save(step)`` returned its path without
+        writing, ``close()`` skipped the final save) and the ephemeral checkpoint it superseded
+        was removed at the next call: a disk that filled up cost the run every good ephemeral
+        checkpoint, one per failed save (found by an outside attack)."""
+        flight = self._in_flight
+        if flight is None or flight.future is not fut:
+            return
+        self._in_flight = None
+        if self._latest_path == flight.path:  # no later save was recorded meanwhile
+            self._latest_step, self._latest_path, self._latest_kind = flight.before
+        self._book.restore(flight.book)
 
     def _notify_saved(self, path: str, result: SaveResult) -> None:
         for fn in self.on_saved:
@@ -900,6 +938,15 @@ class CheckpointManager:
         sig = self._signalled
         name = signal.Signals(sig).name if sig is not None else "a signal on another rank"
         log.warning("%s received: saving step %d and stopping", name, self.step)
+        try:
+            # A save in flight is finished first: if it failed, its step is saved again below
+            # instead of counting as saved (its error was not raised yet: logged, not raised, so
+            # that the preemption save still happens).
+            self._await_last()
+        except CkptkeeperError as exc:
+            log.error("the checkpoint save in flight failed: %s", exc)
+            self.mark_reported(exc)
+        self.poll()  # on_saved for saves that finished
         path: str | None = self._latest_path or None
         if needs_final_save(self.step, self._latest_step):
             path = self._save(SaveKind.permanent, use_async=False, metrics=metrics)

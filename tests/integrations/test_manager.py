@@ -21,6 +21,7 @@ from ckptkeeper import (
     CheckpointSaveError,
     ConfigurationError,
     CorruptCheckpointError,
+    DiskFullError,
     RetentionRules,
     state_digest,
 )
@@ -458,3 +459,108 @@ def test_an_emergency_save_in_a_signal_handler_does_not_swallow_the_failed_save_
     assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path / "run"))] == [2]
     mgr.wait()
     mgr.close(final_save=False)
+
+
+def _failing_from(step: int) -> Checkpointer:
+    """A checkpointer whose saves of ``step`` and later fail while writing (a disk that filled up)."""
+
+    def full(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step >= step:
+            raise OSError(28, "No space left on device", "injected")
+
+    return Checkpointer(on_stage=full)
+
+
+@pytest.mark.parametrize("save_async", [False, True])
+def test_failed_ephemeral_saves_never_cost_the_last_good_one(tmp_path: Path, save_async: bool) -> None:
+    # Found by attacking the manager: a failed ephemeral save still counted as the newest one,
+    # so the good ephemeral it "superseded" was deleted at the next call (a full disk deleted
+    # every ephemeral checkpoint the run had, one per failed save).
+    folder = str(tmp_path / "run")
+    cfg = CheckpointPolicyConfig(save_interval=None, ephemeral_save_interval=2, save_async=save_async)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=_failing_from(4))
+    mgr.restore()
+    failed = 0
+    for step in range(1, 11):
+        try:
+            mgr.save_if_due(step)
+        except DiskFullError:
+            failed += 1
+    try:
+        mgr.wait()  # a failed save still in flight raises here (the others were raised in the loop)
+    except DiskFullError:
+        failed += 1
+    assert failed >= 2
+    assert 2 in _steps_on_disk(folder)  # the last good ephemeral stays while nothing newer exists
+    assert mgr.ephemeral_checkpoints == [os.path.join(folder, "step2")]
+    mgr.close(final_save=False)
+    assert 2 in _steps_on_disk(folder)
+
+
+def test_a_failed_save_is_not_taken_for_saved(tmp_path: Path) -> None:
+    # save(step) after that step's save failed returned the failed path without writing, and
+    # close() skipped the final save: the run ended with its last steps lost and no error.
+    folder = str(tmp_path / "run")
+    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
+    calls = {"n": 0}
+
+    def once(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 8:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise OSError(5, "Input/output error", "injected")
+
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=once))
+    mgr.restore()
+    for step in range(1, 9):
+        mgr.save_if_due(step)
+    with pytest.raises(CheckpointSaveError, match="step 8"):
+        mgr.save(8, wait=True)
+    assert os.path.join(folder, "step8") not in mgr.checkpoints  # never written
+    path = mgr.save(8, wait=True)  # saved this time
+    assert path == os.path.join(folder, "step8") and 8 in _steps_on_disk(folder)
+    assert mgr.checkpoints == [os.path.join(folder, "step0"), os.path.join(folder, "step4"), path]
+    mgr.close()
+
+    # The same failure caught at the final step: close() saves the final step instead of skipping it.
+    folder = str(tmp_path / "again")
+    calls["n"] = 0
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=once))
+    mgr.restore()
+    for step in range(1, 9):
+        mgr.save_if_due(step)
+    with pytest.raises(CheckpointSaveError, match="step 8"):
+        mgr.wait()
+    mgr.close()
+    assert 8 in _steps_on_disk(folder)
+
+
+def test_preemption_after_a_failed_async_save_still_saves_the_next_step(tmp_path: Path) -> None:
+    # The save in flight had failed: the next call raised its error before it looked at the
+    # preemption signal, so a loop that does not catch it died without the preemption save, and
+    # the step it asked to save (and everything since the last good save) was lost.
+    folder = str(tmp_path / "run")
+
+    def fail_step_4(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 4:
+            raise OSError(5, "Input/output error", "injected")
+
+    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
+    mgr = CheckpointManager(
+        folder,
+        model=nn.Linear(2, 2),
+        config=cfg,
+        checkpointer=Checkpointer(on_stage=fail_step_4),
+        save_on_signals=[signal.SIGUSR1],
+        exit_on_signal=False,
+    )
+    mgr.restore()
+    for step in range(1, 5):
+        mgr.save_if_due(step)  # step 4's save starts, and fails in the background
+    deadline = time.monotonic() + 30
+    while mgr.checkpointer.save_in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)  # it has failed by the next call (its error not collected yet)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    path = mgr.save_if_due(5)  # the failure is logged; step 5 is saved and the manager stops
+    assert mgr.preempted and path == os.path.join(folder, "step5")
+    assert _steps_on_disk(folder) == [0, 5]

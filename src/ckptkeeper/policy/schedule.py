@@ -145,6 +145,15 @@ class RetentionBook(Generic[T]):
         self.to_remove = [i for i in self.to_remove if i != item]
         self.permanents = [i for i in self.permanents if i != item]
 
+    def snapshot(self) -> tuple[list[T], list[T], list[T]]:
+        """The bookkeeping as it is now, for :meth:`restore` (a save that then fails)."""
+        return list(self.ephemerals), list(self.to_remove), list(self.permanents)
+
+    def restore(self, snap: tuple[list[T], list[T], list[T]]) -> None:
+        """Put the bookkeeping back as :meth:`snapshot` found it: the save noted since then failed,
+        so it supersedes nothing (what it queued for removal is not removed) and is not listed."""
+        self.ephemerals, self.to_remove, self.permanents = (list(part) for part in snap)
+
     def take_due(self) -> list[T]:
         """Hand over (and forget) everything queued for removal."""
         due, self.to_remove = self.to_remove, []
