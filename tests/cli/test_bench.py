@@ -117,3 +117,17 @@ def test_compare_tensors_refuses_an_unfair_comparison(tmp_path: Path) -> None:
     unequal = bench("--model-mib", "1", "--tensors", "20000", "--compare-tensors", "10")
     assert unequal.returncode != 0 and "raise --model-mib or use fewer tensors" in unequal.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_tensors_refuses_a_split_that_cannot_keep_the_model_size(tmp_path: Path) -> None:
+    # --tensors alone took any count: layers of whole columns cannot split a small model into
+    # very many tensors, so the built model had other bytes than asked (10**9 tensors of 1 MiB
+    # never finished building). Refused before anything is built, naming the fix.
+    cmd = [sys.executable, "-m", "ckptkeeper", "bench", "--repeats", "1", "--dir", str(tmp_path)]
+    for count in ("20000", "1000000000"):
+        done = subprocess.run(
+            [*cmd, "--model-mib", "1", "--tensors", count], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode != 0, done.stdout
+        assert f"--model-mib 1 in {count} tensors" in done.stderr and "raise --model-mib or use fewer tensors" in done.stderr
+    assert os.listdir(tmp_path) == []

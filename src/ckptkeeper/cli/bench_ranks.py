@@ -113,6 +113,18 @@ def _model_bytes(model_mib: int, tensors: int, world: int) -> int:
     return layers * (width * width + width) * 4
 
 
+def _check_size(model_mib: int, tensors: int, world: int) -> None:
+    """ConfigurationError unless ``tensors`` tensors can hold about ``model_mib`` MiB (within 10%):
+    layers of whole columns cannot split a small model very finely (1 MiB in 10**9 tensors
+    would be built as 5 * 10**8 layers of the narrowest width, and never finish building)."""
+    built, asked = _model_bytes(model_mib, tensors, world), model_mib << 20
+    if abs(built - asked) > 0.1 * asked:
+        raise ConfigurationError(
+            f"--model-mib {model_mib} in {tensors} tensors gives a model of {built / 2**20:.2f} MiB (layers of whole "
+            "columns cannot split so few bytes so finely): raise --model-mib or use fewer tensors"
+        )
+
+
 def _check_comparison(model_mib: int, tensors: int, few: int, world: int) -> None:
     """ConfigurationError unless --compare-tensors ``few`` makes a fair comparison state: fewer
     tensors than the main state's, of about the same bytes (very many tensors of a small model
@@ -263,6 +275,7 @@ def _measure(args: argparse.Namespace, root: str, base: str) -> dict[str, Any]:
 
     store = args.store is not None
     tensors = DEFAULT_TENSORS if args.tensors is None else args.tensors
+    _check_size(args.model_mib, tensors, D.get_world_size())
     if args.compare_tensors is not None:
         _check_comparison(args.model_mib, tensors, args.compare_tensors, D.get_world_size())
     model, optimizer, shape = build_state(args.model_mib, tensors, args.device)
