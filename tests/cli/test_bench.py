@@ -129,5 +129,8 @@ def test_tensors_refuses_a_split_that_cannot_keep_the_model_size(tmp_path: Path)
             [*cmd, "--model-mib", "1", "--tensors", count], capture_output=True, text=True, timeout=120
         )
         assert done.returncode != 0, done.stdout
-        assert f"--model-mib 1 in {count} tensors" in done.stderr and "raise --model-mib or use fewer tensors" in done.stderr
+        assert (
+            f"--model-mib 1 in {count} tensors" in done.stderr
+            and "raise --model-mib or use fewer tensors" in done.stderr
+        )
     assert os.listdir(tmp_path) == []

@@ -897,3 +897,37 @@ def test_trainer_state_code_that_closes_the_manager_during_its_save_changes_noth
     assert mgr.lease is lease is not None and not mgr._closed
     closing.armed = False
     mgr.close()
+
+
+@pytest.mark.parametrize("damage", ["delete", "replace-shorter"])
+@pytest.mark.parametrize("save_async", [False, True])
+def test_an_object_store_save_whose_uploads_vanish_fails_and_publishes_nothing(damage: str, save_async: bool) -> None:
+    # The rename commit checked its files before the record went in; the record-last commit of
+    # object stores did not: an uploaded object deleted (or rewritten) by something else before
+    # the commit gave a record naming a missing or wrong-sized object, reported as a success.
+    import uuid
+
+    from ckptkeeper.storage import storage_for
+
+    folder = f"memory://vanish-{uuid.uuid4().hex[:8]}/run"
+    store = storage_for(folder)
+    st = _state()
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name == "publishing" and stage.step == 2:
+            key = store.join(stage.final, "model_and_optim/__0_0.distcp")
+            if damage == "delete":
+                store.remove_file(key)
+            else:
+                store.write_bytes(key, b"short")
+
+    ckpt = Checkpointer(on_stage=hook)
+    ckpt.save(folder, 1, st)
+    with pytest.raises(CheckpointSaveError, match=r"__0_0\.distcp"):
+        if save_async:
+            ckpt.save_async(folder, 2, st)
+            ckpt.wait()
+        else:
+            ckpt.save(folder, 2, st)
+    assert ckpt.find_checkpoints(folder) == [(1, store.join(folder, "step1"))]
+    ckpt.close()

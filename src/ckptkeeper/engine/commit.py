@@ -164,7 +164,21 @@ class RecordLastCommit:
             list(pool.map(lambda rel: storage.upload(os.path.join(work, rel), storage.join(final, rel)), local))
 
     def publish(self, work: str, final: str, record: CommitRecord) -> None:
-        # Every rank has uploaded its own files by now.
+        # Every rank has uploaded its own files by now. Each listed object is there at its size,
+        # or nothing is published (as the rename commit checks its folder): an object deleted or
+        # rewritten by something else before the commit gave a record naming a missing or
+        # wrong-sized object, reported as a success (found by an outside attack). One listing.
+        found = {f.relpath: f.size for f in self.storage.walk(final)}
+        for rel, entry in record.files.items():
+            where = self.storage.join(final, rel)
+            size = found.get(rel)
+            if size is None:
+                raise FileNotFoundError(
+                    errno.ENOENT, "an uploaded file of this checkpoint vanished before the commit", where
+                )
+            if size != entry.bytes:
+                changed = "an uploaded file of this checkpoint changed size before the commit"
+                raise OSError(errno.EIO, f"{changed} ({size} != {entry.bytes} bytes)", where)
         self.storage.create_exclusive(self.storage.join(final, COMMIT_RECORD), record.to_json())
 
     def finish(self, work: str) -> None:
