@@ -555,7 +555,8 @@ class CheckpointManager:
 
         Permanent unless ``ephemeral``. When this run already saved this step, nothing is written
         and that checkpoint's path is returned, unless ``force`` (the step's checkpoint is written
-        again, replacing it). Async when the policy's ``save_async`` is; ``wait=True`` returns only
+        again, replacing it). A save whose failure has been raised does not count: its step is
+        written again. Async when the policy's ``save_async`` is; ``wait=True`` returns only
         once the checkpoint is durable.
         """
         self._refuse_in_save("CheckpointManager.save()")
