@@ -582,11 +582,27 @@ class CheckpointManager:
             return
         # A run that resumed and trained no further has nothing new to save.
         trained = not (self.checkpoint_loaded and self.step == self.start_step)
-        if trained and needs_final_save(self.step, self._latest_step):
-            self._save(SaveKind.permanent, use_async=False)
-        self._await_last()
+        failed: CkptkeeperError | None = None
+        try:
+            # The save in flight first: if it failed, its step counts as not saved and the final
+            # save below writes it; its error is raised once that is done (not before: the final
+            # step would be lost with it).
+            self._await_last()
+        except CkptkeeperError as exc:
+            failed = exc
+        try:
+            if trained and needs_final_save(self.step, self._latest_step):
+                self._save(SaveKind.permanent, use_async=False)
+            self._await_last()
+        except BaseException:
+            if failed is not None:  # the newer failure is raised; this one is not lost either
+                log.error("an earlier checkpoint save failed too: %s", failed)
+                self.mark_reported(failed)
+            raise
         self._remove_due()
         self.poll(wait=True)
+        if failed is not None:
+            raise failed
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is durable; raises its error."""

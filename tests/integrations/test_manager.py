@@ -564,3 +564,26 @@ def test_preemption_after_a_failed_async_save_still_saves_the_next_step(tmp_path
     path = mgr.save_if_due(5)  # the failure is logged; step 5 is saved and the manager stops
     assert mgr.preempted and path == os.path.join(folder, "step5")
     assert _steps_on_disk(folder) == [0, 5]
+
+
+def test_close_saves_the_final_step_when_its_async_save_failed_unnoticed(tmp_path: Path) -> None:
+    # close() decided whether the final step needed saving before it waited for the save in
+    # flight: that save's failure was raised from close(), and the final step was never written.
+    folder = str(tmp_path / "run")
+    attempts = {"n": 0}
+
+    def once(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 8:
+            attempts["n"] += 1
+            if attempts["n"] == 1:
+                raise OSError(5, "Input/output error", "injected")
+
+    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=once))
+    mgr.restore()
+    for step in range(1, 9):
+        mgr.save_if_due(step)  # step 8's save fails in the background
+    with pytest.raises(CheckpointSaveError, match="step 8"):
+        mgr.close()  # still raised once, after the final step is saved again
+    assert _steps_on_disk(folder) == [0, 4, 8] and attempts["n"] == 2
+    assert mgr.lease is None
