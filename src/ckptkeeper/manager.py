@@ -37,6 +37,7 @@ from .engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, Trainin
 from .engine.async_runner import is_outcome
 from .engine.discovery import NOT_OURS
 from .engine.record import check_metrics
+from .engine.saving import final_path
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -515,7 +516,8 @@ class CheckpointManager:
         """Call after each update with the number of updates done; saves when the policy says so.
 
         Returns the path of the checkpoint started at this step, or None. With async saves, a
-        save's failure is raised at a later call (or at :meth:`close`). ``metrics`` are stored in
+        save's failure is raised at a later call (or at :meth:`close`), once that call's own save,
+        if one is due, is under way: a failure never costs the next save. ``metrics`` are stored in
         the commit record of a checkpoint saved at this step (retention's ``keep_best`` ranks by
         them). ``skip_ephemeral`` skips an ephemeral save due at this step.
         """
@@ -527,20 +529,22 @@ class CheckpointManager:
         # does not catch it before the preemption save (the preemption logs that error instead).
         if self.save_on_signals and not D.all_agree(self._signalled is None):
             return self._preempt(metrics)
-        self._await_last(blocking=False)
+        earlier = self._collect(blocking=False)
         if not self.checkpoint_pending:
             self._remove_due()
         self.poll()
         if step == self._latest_step:
-            return None  # called twice for one step (a framework hook, say): it is saved already
-        kind = decide_save(self.config, step, self._latest_step, skip_ephemeral)
-        if kind is None and self.save_every_seconds is not None:
-            # Rank 0's clock decides: ranks must start the same saves.
-            elapsed = D.on_rank0(lambda: time.monotonic() - self._last_save_time)
-            kind = decide_timed_save(kind, self.save_every_seconds, elapsed, skip_ephemeral)
-        if kind is None:
-            return None
-        return self._save(kind, metrics=metrics)
+            kind = None  # called twice for one step (a framework hook, say): it is saved already
+        else:
+            kind = decide_save(self.config, step, self._latest_step, skip_ephemeral)
+            if kind is None and self.save_every_seconds is not None:
+                # Rank 0's clock decides: ranks must start the same saves.
+                elapsed = D.on_rank0(lambda: time.monotonic() - self._last_save_time)
+                kind = decide_timed_save(kind, self.save_every_seconds, elapsed, skip_ephemeral)
+        path = None if kind is None else self._save_then_raise(earlier, kind, metrics=metrics)
+        if earlier is not None:
+            raise earlier
+        return path
 
     def save(
         self,
@@ -555,23 +559,33 @@ class CheckpointManager:
 
         Permanent unless ``ephemeral``. When this run already saved this step, nothing is written
         and that checkpoint's path is returned, unless ``force`` (the step's checkpoint is written
-        again, replacing it). A save whose failure has been raised does not count: its step is
-        written again. Async when the policy's ``save_async`` is; ``wait=True`` returns only
-        once the checkpoint is durable.
+        again, replacing it). The save in flight is waited for first; one that failed does not
+        count (its step is written again, and its error is raised once this save is under way).
+        Async when the policy's ``save_async`` is; ``wait=True`` returns only once the checkpoint
+        is durable.
         """
         self._refuse_in_save("CheckpointManager.save()")
         metrics = self._at_step(step, metrics)
+        # The save in flight first (the next save would wait for it anyway): if it failed, its
+        # step is not saved, whoever collected its error (checkpointer.wait(), another thread).
+        earlier = self._collect(blocking=True)
         # Saved already at this step: nothing to write, unless forced or an ephemeral is to become
         # permanent (it would otherwise be removed once superseded).
         upgrade = self._latest_kind == SaveKind.ephemeral and not ephemeral
         if step == self._latest_step and self._latest_path and not force and not upgrade:
+            path = self._latest_path
+        else:
+            kind = SaveKind.ephemeral if ephemeral else SaveKind.permanent
+            path = self._save_then_raise(earlier, kind, metrics=metrics)
             if wait:
-                self._await_last()
-            return self._latest_path
-        path = self._save(SaveKind.ephemeral if ephemeral else SaveKind.permanent, metrics=metrics)
-        if wait:
-            self._await_last()
-            self._remove_due()
+                try:
+                    self._await_last()
+                except BaseException:
+                    self._report_aside(earlier)
+                    raise
+                self._remove_due()
+        if earlier is not None:
+            raise earlier
         return path
 
     def finish(self) -> None:
@@ -582,22 +596,16 @@ class CheckpointManager:
             return
         # A run that resumed and trained no further has nothing new to save.
         trained = not (self.checkpoint_loaded and self.step == self.start_step)
-        failed: CkptkeeperError | None = None
-        try:
-            # The save in flight first: if it failed, its step counts as not saved and the final
-            # save below writes it; its error is raised once that is done (not before: the final
-            # step would be lost with it).
-            self._await_last()
-        except CkptkeeperError as exc:
-            failed = exc
+        # The save in flight first: if it failed, its step counts as not saved and the final save
+        # below writes it; its error is raised once that is done (not before: the final step
+        # would be lost with it).
+        failed = self._collect(blocking=True)
         try:
             if trained and needs_final_save(self.step, self._latest_step):
                 self._save(SaveKind.permanent, use_async=False)
             self._await_last()
         except BaseException:
-            if failed is not None:  # the newer failure is raised; this one is not lost either
-                log.error("an earlier checkpoint save failed too: %s", failed)
-                self.mark_reported(failed)
+            self._report_aside(failed)
             raise
         self._remove_due()
         self.poll(wait=True)
@@ -734,13 +742,58 @@ class CheckpointManager:
     def _save(self, kind: SaveKind, use_async: bool | None = None, metrics: Mapping[str, float] | None = None) -> str:
         use_async = bool(self._save_async) if use_async is None else use_async
         was_pending = self.checkpoint_pending
-        self._await_last()
-        if was_pending:
+        earlier = self._collect(blocking=True)
+        if was_pending and earlier is None:
             # The save that superseded these is durable now; removing them no longer risks anything.
             self._remove_due()
+        try:
+            path = self._write(kind, use_async, metrics)
+        except BaseException:
+            self._report_aside(earlier)
+            raise
+        if earlier is not None:
+            # Raised once this save is under way: an earlier save's failure never costs this one.
+            raise earlier
+        return path
+
+    def _save_then_raise(
+        self, earlier: CkptkeeperError | None, kind: SaveKind, metrics: Mapping[str, float] | None = None
+    ) -> str:
+        """:meth:`_save`, for a caller holding an earlier save's error to raise afterwards (logged
+        here if this save fails too, which is then raised instead)."""
+        try:
+            return self._save(kind, metrics=metrics)
+        except BaseException:
+            self._report_aside(earlier)
+            raise
+
+    def _report_aside(self, earlier: CkptkeeperError | None) -> None:
+        # Another error is on its way up: the earlier save's failure is logged, not lost.
+        if earlier is not None:
+            log.error("an earlier checkpoint save failed too: %s", earlier)
+            self.mark_reported(earlier)
+
+    def _collect(self, blocking: bool) -> CkptkeeperError | None:
+        """Collect the save in flight (without ``blocking``, only once it is done on every rank).
+        Its failure is returned, not raised: its step then counts as not saved (see
+        :meth:`_forget_failed`), and the caller raises it once its own save is under way."""
+        try:
+            self._await_last(blocking=blocking)
+        except CkptkeeperError as exc:
+            return exc
+        return None
+
+    def _write(self, kind: SaveKind, use_async: bool, metrics: Mapping[str, float] | None) -> str:
         before = (self._latest_step, self._latest_path, self._latest_kind)
         book = self._book.snapshot()
-        path, fut = self.write_checkpoint(ephemeral=kind == SaveKind.ephemeral, use_async=use_async, metrics=metrics)
+        try:
+            path, fut = self.write_checkpoint(
+                ephemeral=kind == SaveKind.ephemeral, use_async=use_async, metrics=metrics
+            )
+        except CkptkeeperError:
+            # Nothing was noted for this save; a checkpoint of this step saved before may be gone.
+            self._withdraw_if_gone(final_path(self.save_folder, self.step))
+            raise
         self._future = fut
         self._in_flight = None if fut is None else _InFlight(fut, path, before, book)
         self._latest_step = self.step
@@ -780,12 +833,14 @@ class CheckpointManager:
             # save fails on all ranks together, so none goes on to the round below).
             self._forget_failed(fut)
             return
-        if self._in_flight is not None and self._in_flight.future is fut:
-            self._in_flight = None
         if not D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(self._latest_path)):
-            raise CheckpointSaveError(
+            error = CheckpointSaveError(
                 f"the save of step {self._latest_step} finished but {self._latest_path} is not a complete checkpoint"
             )
+            self._forget_failed(fut)
+            raise error
+        if self._in_flight is not None and self._in_flight.future is fut:
+            self._in_flight = None
         self._apply_retention()
 
     def _forget_failed(self, fut: Future[SaveResult]) -> None:
@@ -801,6 +856,20 @@ class CheckpointManager:
         if self._latest_path == flight.path:  # no later save was recorded meanwhile
             self._latest_step, self._latest_path, self._latest_kind = flight.before
         self._book.restore(flight.book)
+        self._withdraw_if_gone(flight.path)
+
+    def _withdraw_if_gone(self, path: str) -> None:
+        """After a failed save to ``path``: a save of a step saved before (made permanent, or
+        forced) removes that step's checkpoint first on object stores (same keys). If it is gone,
+        the run's bookkeeping stops listing it, and what it had superseded stays (found by an
+        outside attack: the manager listed the removed one and removed the older ephemeral, so
+        resume went back to step 0)."""
+        listed = path in (*self._book.ephemerals, *self._book.to_remove, *self._book.permanents)
+        if not listed or D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(path)):
+            return
+        self._book.withdraw(path)
+        if self._latest_path == path:
+            self._latest_step, self._latest_path, self._latest_kind = -1, "", None
 
     def _notify_saved(self, path: str, result: SaveResult) -> None:
         for fn in self.on_saved:
@@ -955,14 +1024,13 @@ class CheckpointManager:
         sig = self._signalled
         name = signal.Signals(sig).name if sig is not None else "a signal on another rank"
         log.warning("%s received: saving step %d and stopping", name, self.step)
-        try:
-            # A save in flight is finished first: if it failed, its step is saved again below
-            # instead of counting as saved (its error was not raised yet: logged, not raised, so
-            # that the preemption save still happens).
-            self._await_last()
-        except CkptkeeperError as exc:
-            log.error("the checkpoint save in flight failed: %s", exc)
-            self.mark_reported(exc)
+        # A save in flight is finished first: if it failed, its step is saved again below instead
+        # of counting as saved (its error is logged, not raised, so that the preemption save
+        # still happens).
+        failed = self._collect(blocking=True)
+        if failed is not None:
+            log.error("the checkpoint save in flight failed: %s", failed)
+            self.mark_reported(failed)
         self.poll()  # on_saved for saves that finished
         path: str | None = self._latest_path or None
         if needs_final_save(self.step, self._latest_step):

@@ -515,10 +515,10 @@ def test_a_failed_save_is_not_taken_for_saved(tmp_path: Path) -> None:
     for step in range(1, 9):
         mgr.save_if_due(step)
     with pytest.raises(CheckpointSaveError, match="step 8"):
-        mgr.save(8, wait=True)
-    assert os.path.join(folder, "step8") not in mgr.checkpoints  # never written
-    path = mgr.save(8, wait=True)  # saved this time
-    assert path == os.path.join(folder, "step8") and 8 in _steps_on_disk(folder)
+        mgr.save(8, wait=True)  # the failure is raised once step 8 is written again by this call
+    assert 8 in _steps_on_disk(folder) and calls["n"] == 2
+    path = mgr.save(8, wait=True)  # saved: nothing to write
+    assert path == os.path.join(folder, "step8") and calls["n"] == 2
     assert mgr.checkpoints == [os.path.join(folder, "step0"), os.path.join(folder, "step4"), path]
     mgr.close()
 
@@ -587,3 +587,110 @@ def test_close_saves_the_final_step_when_its_async_save_failed_unnoticed(tmp_pat
         mgr.close()  # still raised once, after the final step is saved again
     assert _steps_on_disk(folder) == [0, 4, 8] and attempts["n"] == 2
     assert mgr.lease is None
+
+
+def _fails_once_at(step: int) -> tuple[Checkpointer, dict[str, int]]:
+    """A checkpointer whose first save of ``step`` fails while writing (EIO); later ones work."""
+    attempts = {"n": 0}
+
+    def once(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == step:
+            attempts["n"] += 1
+            if attempts["n"] == 1:
+                raise OSError(5, "Input/output error", "injected")
+
+    return Checkpointer(on_stage=once), attempts
+
+
+@pytest.mark.parametrize("how", ["save-wait", "save", "close", "thread"])
+def test_a_failed_save_collected_elsewhere_is_not_taken_for_saved(tmp_path: Path, how: str) -> None:
+    # The failure of step 8's async save was collected by checkpointer.wait() (or in another
+    # thread), not by the manager: save(8) returned a path without writing (step 4's, with
+    # wait=True), and close() ended without step 8 and without an error (an outside attack).
+    folder = str(tmp_path / "run")
+    ckpt, attempts = _fails_once_at(8)
+    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=ckpt)
+    mgr.restore()
+    for step in range(1, 9):
+        mgr.save_if_due(step)
+    caught: list[BaseException] = []
+
+    def collect() -> None:
+        try:
+            mgr.checkpointer.wait()
+        except CheckpointSaveError as exc:
+            caught.append(exc)
+
+    if how == "thread":
+        worker = threading.Thread(target=collect)
+        worker.start()
+        worker.join()
+    else:
+        collect()
+    assert len(caught) == 1
+    if how.startswith("save"):
+        path = mgr.save(8, wait=how == "save-wait")
+        assert path == os.path.join(folder, "step8")
+    mgr.close()  # the error was raised once already: not again
+    assert _steps_on_disk(folder) == [0, 4, 8] and attempts["n"] == 2
+
+
+def test_a_failed_saves_error_never_costs_the_next_scheduled_save(tmp_path: Path) -> None:
+    # Step 6's async save failed; its error, raised at the next due save (step 8), skipped that
+    # save: the run had no checkpoint between step 4 and the end (an outside attack). The due
+    # save now goes ahead and the error is raised after it has started.
+    folder = str(tmp_path / "run")
+    ckpt, _ = _fails_once_at(6)
+    cfg = CheckpointPolicyConfig(save_interval=2, save_async=True)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=ckpt)
+    mgr.restore()
+    raised: list[int] = []
+    for step in range(1, 10):
+        if step == 8:
+            deadline = time.monotonic() + 30
+            while mgr.checkpointer.save_in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)  # step 6's save has failed by now, its error not raised yet
+        try:
+            mgr.save_if_due(step)
+        except CheckpointSaveError as exc:
+            assert "step 6" in str(exc)
+            raised.append(step)
+    mgr.close()
+    assert raised == [8]
+    assert _steps_on_disk(folder) == [0, 2, 4, 8, 9]
+
+
+@pytest.mark.parametrize("save_async", [False, True])
+def test_a_failed_resave_of_a_step_on_an_object_store_keeps_what_is_left(save_async: bool) -> None:
+    # On an object store, saving a step again (an ephemeral made permanent, or force=True)
+    # removes that step's checkpoint first (the keys are the same). When the new save failed,
+    # the manager still listed the removed checkpoint as its newest ephemeral and removed the
+    # older one it had superseded: resume went back to step 0 (an outside attack).
+    import uuid
+
+    url = f"memory://resave-{uuid.uuid4().hex[:8]}/run"
+    failing = {"on": False}
+
+    def fail(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 4 and failing["on"]:
+            raise OSError(5, "Input/output error", "injected")
+
+    cfg = CheckpointPolicyConfig(save_interval=None, ephemeral_save_interval=2, save_async=save_async)
+    mgr = CheckpointManager(url, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=fail))
+    mgr.restore()
+    for step in range(1, 5):
+        mgr.save_if_due(step)
+    mgr.wait()
+    failing["on"] = True
+    with pytest.raises(CheckpointSaveError, match="step 4"):
+        mgr.save(4, wait=True)  # made permanent: fails after step 4's ephemeral was removed
+    steps = [i.step for i in mgr.checkpointer.list_checkpoints(url) if i.complete]
+    assert steps == [0, 2]
+    listed = [p.rsplit("/", 1)[-1] for p in mgr.ephemeral_checkpoints + mgr.checkpoints]
+    assert "step4" not in listed
+    mgr.save_if_due(5)
+    assert [i.step for i in mgr.checkpointer.list_checkpoints(url) if i.complete] == [0, 2]
+    failing["on"] = False
+    mgr.close()  # the final step is saved: nothing stands for step 4 or later
+    assert [i.step for i in mgr.checkpointer.list_checkpoints(url) if i.complete] == [0, 2, 5]

@@ -134,3 +134,19 @@ def test_the_wall_clock_trigger(
     scheduled: SaveKind | None, every: float | None, elapsed: float, blocked: bool, want: SaveKind | None
 ) -> None:
     assert decide_timed_save(scheduled, every, elapsed, blocked) == want
+
+
+def test_a_book_puts_back_a_failed_save_and_keeps_what_a_vanished_one_superseded() -> None:
+    book: RetentionBook[str] = RetentionBook()
+    book.record_save("e2", SaveKind.ephemeral)
+    book.record_save("p3", SaveKind.permanent)
+    snap = book.snapshot()
+    assert book.record_save("e4", SaveKind.ephemeral) == ["e2"]
+    book.restore(snap)  # e4's save failed: it superseded nothing
+    assert (book.ephemerals, book.to_remove, book.permanents) == (["e2"], [], ["p3"])
+    book.record_save("e4", SaveKind.ephemeral)
+    book.withdraw("e4")  # e4 is gone: e2 stays until the next ephemeral save
+    assert (book.ephemerals, book.to_remove) == (["e2"], [])
+    assert book.record_save("e6", SaveKind.ephemeral) == ["e2"] and book.take_due() == ["e2"]
+    book.withdraw("p3")
+    assert book.permanents == [] and book.ephemerals == ["e6"]

@@ -154,6 +154,15 @@ class RetentionBook(Generic[T]):
         so it supersedes nothing (what it queued for removal is not removed) and is not listed."""
         self.ephemerals, self.to_remove, self.permanents = (list(part) for part in snap)
 
+    def withdraw(self, item: T) -> None:
+        """``item`` is gone although it was saved (a failed save of its step removed it first, as
+        object stores must): forget it, and if it was the newest ephemeral, keep what it had
+        superseded (nothing newer stands in for them now) until the next ephemeral save."""
+        newest = item in self.ephemerals
+        self.forget(item)
+        if newest:
+            self.ephemerals, self.to_remove = self.to_remove + self.ephemerals, []
+
     def take_due(self) -> list[T]:
         """Hand over (and forget) everything queued for removal."""
         due, self.to_remove = self.to_remove, []
