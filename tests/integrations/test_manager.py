@@ -461,6 +461,35 @@ def test_an_emergency_save_in_a_signal_handler_does_not_swallow_the_failed_save_
     mgr.close(final_save=False)
 
 
+def _fails_once_at(step: int) -> tuple[Checkpointer, dict[str, int]]:
+    """A checkpointer whose first save of ``step`` fails while writing (EIO); later ones work."""
+    attempts = {"n": 0}
+
+    def once(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == step:
+            attempts["n"] += 1
+            if attempts["n"] == 1:
+                raise OSError(5, "Input/output error", "injected")
+
+    return Checkpointer(on_stage=once), attempts
+
+
+def _async_manager_failing_once(folder: str, step: int, interval: int) -> tuple[CheckpointManager, dict[str, int]]:
+    """A restored async manager saving every ``interval`` steps whose first save of ``step`` fails."""
+    ckpt, attempts = _fails_once_at(step)
+    cfg = CheckpointPolicyConfig(save_interval=interval, save_async=True)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=ckpt)
+    mgr.restore()
+    return mgr, attempts
+
+
+def _until_settled(mgr: CheckpointManager) -> None:
+    """Wait until the save in flight has ended (its outcome not collected)."""
+    deadline = time.monotonic() + 30
+    while mgr.checkpointer.save_in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _failing_from(step: int) -> Checkpointer:
     """A checkpointer whose saves of ``step`` and later fail while writing (a disk that filled up)."""
 
@@ -501,17 +530,7 @@ def test_a_failed_save_is_not_taken_for_saved(tmp_path: Path) -> None:
     # save(step) after that step's save failed returned the failed path without writing, and
     # close() skipped the final save: the run ended with its last steps lost and no error.
     folder = str(tmp_path / "run")
-    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
-    calls = {"n": 0}
-
-    def once(stage: SaveStage) -> None:
-        if stage.name == "writing tensors" and stage.step == 8:
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise OSError(5, "Input/output error", "injected")
-
-    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=once))
-    mgr.restore()
+    mgr, calls = _async_manager_failing_once(folder, 8, 4)
     for step in range(1, 9):
         mgr.save_if_due(step)
     with pytest.raises(CheckpointSaveError, match="step 8"):
@@ -524,9 +543,7 @@ def test_a_failed_save_is_not_taken_for_saved(tmp_path: Path) -> None:
 
     # The same failure caught at the final step: close() saves the final step instead of skipping it.
     folder = str(tmp_path / "again")
-    calls["n"] = 0
-    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=once))
-    mgr.restore()
+    mgr, calls = _async_manager_failing_once(folder, 8, 4)
     for step in range(1, 9):
         mgr.save_if_due(step)
     with pytest.raises(CheckpointSaveError, match="step 8"):
@@ -540,26 +557,19 @@ def test_preemption_after_a_failed_async_save_still_saves_the_next_step(tmp_path
     # preemption signal, so a loop that does not catch it died without the preemption save, and
     # the step it asked to save (and everything since the last good save) was lost.
     folder = str(tmp_path / "run")
-
-    def fail_step_4(stage: SaveStage) -> None:
-        if stage.name == "writing tensors" and stage.step == 4:
-            raise OSError(5, "Input/output error", "injected")
-
     cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
     mgr = CheckpointManager(
         folder,
         model=nn.Linear(2, 2),
         config=cfg,
-        checkpointer=Checkpointer(on_stage=fail_step_4),
+        checkpointer=_fails_once_at(4)[0],
         save_on_signals=[signal.SIGUSR1],
         exit_on_signal=False,
     )
     mgr.restore()
     for step in range(1, 5):
         mgr.save_if_due(step)  # step 4's save starts, and fails in the background
-    deadline = time.monotonic() + 30
-    while mgr.checkpointer.save_in_flight and time.monotonic() < deadline:
-        time.sleep(0.01)  # it has failed by the next call (its error not collected yet)
+    _until_settled(mgr)  # it has failed by the next call (its error not collected yet)
     os.kill(os.getpid(), signal.SIGUSR1)
     path = mgr.save_if_due(5)  # the failure is logged; step 5 is saved and the manager stops
     assert mgr.preempted and path == os.path.join(folder, "step5")
@@ -570,17 +580,7 @@ def test_close_saves_the_final_step_when_its_async_save_failed_unnoticed(tmp_pat
     # close() decided whether the final step needed saving before it waited for the save in
     # flight: that save's failure was raised from close(), and the final step was never written.
     folder = str(tmp_path / "run")
-    attempts = {"n": 0}
-
-    def once(stage: SaveStage) -> None:
-        if stage.name == "writing tensors" and stage.step == 8:
-            attempts["n"] += 1
-            if attempts["n"] == 1:
-                raise OSError(5, "Input/output error", "injected")
-
-    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
-    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=once))
-    mgr.restore()
+    mgr, attempts = _async_manager_failing_once(folder, 8, 4)
     for step in range(1, 9):
         mgr.save_if_due(step)  # step 8's save fails in the background
     with pytest.raises(CheckpointSaveError, match="step 8"):
@@ -589,29 +589,13 @@ def test_close_saves_the_final_step_when_its_async_save_failed_unnoticed(tmp_pat
     assert mgr.lease is None
 
 
-def _fails_once_at(step: int) -> tuple[Checkpointer, dict[str, int]]:
-    """A checkpointer whose first save of ``step`` fails while writing (EIO); later ones work."""
-    attempts = {"n": 0}
-
-    def once(stage: SaveStage) -> None:
-        if stage.name == "writing tensors" and stage.step == step:
-            attempts["n"] += 1
-            if attempts["n"] == 1:
-                raise OSError(5, "Input/output error", "injected")
-
-    return Checkpointer(on_stage=once), attempts
-
-
 @pytest.mark.parametrize("how", ["save-wait", "save", "close", "thread"])
 def test_a_failed_save_collected_elsewhere_is_not_taken_for_saved(tmp_path: Path, how: str) -> None:
     # The failure of step 8's async save was collected by checkpointer.wait() (or in another
     # thread), not by the manager: save(8) returned a path without writing (step 4's, with
     # wait=True), and close() ended without step 8 and without an error (an outside attack).
     folder = str(tmp_path / "run")
-    ckpt, attempts = _fails_once_at(8)
-    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
-    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=ckpt)
-    mgr.restore()
+    mgr, attempts = _async_manager_failing_once(folder, 8, 4)
     for step in range(1, 9):
         mgr.save_if_due(step)
     caught: list[BaseException] = []
@@ -641,16 +625,11 @@ def test_a_failed_saves_error_never_costs_the_next_scheduled_save(tmp_path: Path
     # save: the run had no checkpoint between step 4 and the end (an outside attack). The due
     # save now goes ahead and the error is raised after it has started.
     folder = str(tmp_path / "run")
-    ckpt, _ = _fails_once_at(6)
-    cfg = CheckpointPolicyConfig(save_interval=2, save_async=True)
-    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=ckpt)
-    mgr.restore()
+    mgr, _ = _async_manager_failing_once(folder, 6, 2)
     raised: list[int] = []
     for step in range(1, 10):
         if step == 8:
-            deadline = time.monotonic() + 30
-            while mgr.checkpointer.save_in_flight and time.monotonic() < deadline:
-                time.sleep(0.01)  # step 6's save has failed by now, its error not raised yet
+            _until_settled(mgr)  # step 6's save has failed by now, its error not raised yet
         try:
             mgr.save_if_due(step)
         except CheckpointSaveError as exc:
