@@ -100,8 +100,8 @@ class _InFlight:
 
     future: Future[SaveResult]
     path: str
-    before: tuple[int, str, SaveKind | None]
-    """The newest save's step, path and kind before this one."""
+    before: tuple[int, str, SaveKind | None, float]
+    """The newest save's step, path and kind before this one, and when it started (timed saves)."""
     book: tuple[list[str], list[str], list[str]]
     """:meth:`RetentionBook.snapshot` from before this save was noted."""
 
@@ -232,6 +232,7 @@ class CheckpointManager:
         self._latest_kind: SaveKind | None = None
         # The async save in flight, with the bookkeeping from before it, put back if it fails.
         self._in_flight: _InFlight | None = None
+        self._resaved_start = False  # a save of the step this run resumed at was made (see finish)
         self._book: RetentionBook[str] = RetentionBook()
         self._pending: list[tuple[str, Future[SaveResult]]] = []
         self._bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkeeper-bookkeeping")
@@ -533,8 +534,11 @@ class CheckpointManager:
         if not self.checkpoint_pending:
             self._remove_due()
         self.poll()
-        if step == self._latest_step:
-            kind = None  # called twice for one step (a framework hook, say): it is saved already
+        if step == self._latest_step or self._loaded_here(step):
+            # Called twice for one step (a framework hook, say), or at the step this run resumed
+            # from this folder's checkpoint of it: saved already (writing it again removed the
+            # resume point first on object stores, and lost it if that save failed).
+            kind = None
         else:
             kind = decide_save(self.config, step, self._latest_step, skip_ephemeral)
             if kind is None and self.save_every_seconds is not None:
@@ -594,8 +598,13 @@ class CheckpointManager:
         if not self._begun or not self.config.enabled:
             self.poll(wait=True)
             return
-        # A run that resumed and trained no further has nothing new to save.
+        # A run that resumed and trained no further has nothing new to save, unless a save of
+        # the loaded step (force=True) failed after removing its checkpoint (object stores clear a
+        # step first): the loaded checkpoint is written back (an outside attack had the next run
+        # resume from an older one).
         trained = not (self.checkpoint_loaded and self.step == self.start_step)
+        if not trained and self._resaved_start:
+            trained = not D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(self.loaded_from or ""))
         # The save in flight first: if it failed, its step counts as not saved and the final save
         # below writes it; its error is raised once that is done (not before: the final step
         # would be lost with it).
@@ -756,8 +765,14 @@ class CheckpointManager:
             raise earlier
         return path
 
+    def _loaded_here(self, step: int) -> bool:
+        """Whether this run resumed at ``step`` from this save folder's checkpoint of that step."""
+        if not self.checkpoint_loaded or step != self.start_step or not self.loaded_from:
+            return False
+        return self.loaded_from.rstrip("/") == final_path(self.save_folder, step).rstrip("/")
+
     def _save_then_raise(
-        self, earlier: CkptkeeperError | None, kind: SaveKind, metrics: Mapping[str, float] | None = None
+        self, earlier: BaseException | None, kind: SaveKind, metrics: Mapping[str, float] | None = None
     ) -> str:
         """:meth:`_save`, for a caller holding an earlier save's error to raise afterwards (logged
         here if this save fails too, which is then raised instead)."""
@@ -767,32 +782,41 @@ class CheckpointManager:
             self._report_aside(earlier)
             raise
 
-    def _report_aside(self, earlier: CkptkeeperError | None) -> None:
+    def _report_aside(self, earlier: BaseException | None) -> None:
         # Another error is on its way up: the earlier save's failure is logged, not lost.
         if earlier is not None:
             log.error("an earlier checkpoint save failed too: %s", earlier)
             self.mark_reported(earlier)
 
-    def _collect(self, blocking: bool) -> CkptkeeperError | None:
+    def _collect(self, blocking: bool) -> BaseException | None:
         """Collect the save in flight (without ``blocking``, only once it is done on every rank).
         Its failure is returned, not raised: its step then counts as not saved (see
-        :meth:`_forget_failed`), and the caller raises it once its own save is under way."""
+        :meth:`_forget_failed`), and the caller raises it once its own save is under way. Only
+        the save's own outcome (a KeyboardInterrupt raised inside it included); an interruption
+        of this wait is raised at once."""
+        fut = self._future
         try:
             self._await_last(blocking=blocking)
-        except CkptkeeperError as exc:
-            return exc
+        except BaseException as exc:
+            if fut is not None and (isinstance(exc, CkptkeeperError) or is_outcome(fut, exc)):
+                return exc
+            raise
         return None
 
     def _write(self, kind: SaveKind, use_async: bool, metrics: Mapping[str, float] | None) -> str:
-        before = (self._latest_step, self._latest_path, self._latest_kind)
+        before = (self._latest_step, self._latest_path, self._latest_kind, self._last_save_time)
         book = self._book.snapshot()
+        if self.checkpoint_loaded and self.step == self.start_step:
+            self._resaved_start = True
         try:
             path, fut = self.write_checkpoint(
                 ephemeral=kind == SaveKind.ephemeral, use_async=use_async, metrics=metrics
             )
-        except CkptkeeperError:
+        except BaseException as exc:
             # Nothing was noted for this save; a checkpoint of this step saved before may be gone.
-            self._withdraw_if_gone(final_path(self.save_folder, self.step))
+            # A ckptkeeper error is every rank's (saves fail together); anything else (Ctrl-C)
+            # may be this rank's alone, so each rank looks for itself, without a collective.
+            self._withdraw_if_gone(final_path(self.save_folder, self.step), together=isinstance(exc, CkptkeeperError))
             raise
         self._future = fut
         self._in_flight = None if fut is None else _InFlight(fut, path, before, book)
@@ -854,18 +878,22 @@ class CheckpointManager:
             return
         self._in_flight = None
         if self._latest_path == flight.path:  # no later save was recorded meanwhile
-            self._latest_step, self._latest_path, self._latest_kind = flight.before
+            # The timed-save clock too: a failed save does not put off the next one by an interval.
+            self._latest_step, self._latest_path, self._latest_kind, self._last_save_time = flight.before
         self._book.restore(flight.book)
         self._withdraw_if_gone(flight.path)
 
-    def _withdraw_if_gone(self, path: str) -> None:
+    def _withdraw_if_gone(self, path: str, together: bool = True) -> None:
         """After a failed save to ``path``: a save of a step saved before (made permanent, or
         forced) removes that step's checkpoint first on object stores (same keys). If it is gone,
         the run's bookkeeping stops listing it, and what it had superseded stays (found by an
         outside attack: the manager listed the removed one and removed the older ephemeral, so
         resume went back to step 0)."""
         listed = path in (*self._book.ephemerals, *self._book.to_remove, *self._book.permanents)
-        if not listed or D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(path)):
+        if not listed:
+            return
+        exists = self.checkpointer.dir_is_checkpoint
+        if D.on_rank0(lambda: exists(path)) if together else exists(path):
             return
         self._book.withdraw(path)
         if self._latest_path == path:
@@ -879,17 +907,25 @@ class CheckpointManager:
         """Call ``on_saved`` for async saves that have finished (``wait``: for all of them, waiting)."""
         if wait:
             self._refuse_in_save("CheckpointManager.poll(wait=True)")
-        still = []
-        for path, fut in self._pending:
-            if wait or fut.done():
-                try:
-                    result = fut.result()
-                except Exception:
-                    continue  # raised where the schedule awaits the save
+        ready = [(path, fut) for path, fut in self._pending if wait or fut.done()]
+        # Taken off the list before any callback runs: one that raises is not called again for
+        # the same save (an outside attack saw it notified twice); the rest stay to be done.
+        self._pending = [item for item in self._pending if item not in ready]
+        for i, (path, fut) in enumerate(ready):
+            try:
+                result = fut.result()
+            except BaseException as exc:
+                if is_outcome(fut, exc):
+                    # The save's own failure (a KeyboardInterrupt raised inside it too: it came
+                    # back at every later call, for ever), raised where the schedule awaits it.
+                    continue
+                self._pending = ready[i:] + self._pending  # interrupted while waiting
+                raise
+            try:
                 self._notify_saved(path, result)
-            else:
-                still.append((path, fut))
-        self._pending = still
+            except BaseException:
+                self._pending = ready[i + 1 :] + self._pending
+                raise
 
     # ------------------------------------------------------------------ removal
 

@@ -673,3 +673,108 @@ def test_a_failed_resave_of_a_step_on_an_object_store_keeps_what_is_left(save_as
     failing["on"] = False
     mgr.close()  # the final step is saved: nothing stands for step 4 or later
     assert [i.step for i in mgr.checkpointer.list_checkpoints(url) if i.complete] == [0, 2, 5]
+
+
+def test_a_keyboard_interrupt_inside_an_async_save_is_raised_once_and_saving_goes_on(tmp_path: Path) -> None:
+    # A KeyboardInterrupt raised inside step 4's background save (a hook) came back at every later
+    # call and from close(): poll() re-raised it each time, and no later or final save was made
+    # (an outside attack).
+    folder = str(tmp_path / "run")
+
+    def interrupt(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 4:
+            raise KeyboardInterrupt
+
+    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=interrupt))
+    mgr.restore()
+    raised = 0
+    for step in range(1, 13):
+        if step == 5:
+            _until_settled(mgr)
+        try:
+            mgr.save_if_due(step)
+        except KeyboardInterrupt:
+            raised += 1
+    mgr.close()
+    assert raised == 1 and _steps_on_disk(folder) == [0, 8, 12]
+
+
+def test_a_failed_timed_save_does_not_put_off_the_next_one(tmp_path: Path) -> None:
+    # The clock of save_every_seconds restarted when the failed save started: the next timed save
+    # came a whole interval later (with a 30-minute interval, about an hour without a checkpoint).
+    folder = str(tmp_path / "run")
+    ckpt, _ = _fails_once_at(2)
+    cfg = CheckpointPolicyConfig(save_interval=None, save_async=True, pre_train_checkpoint=False)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=ckpt, save_every_seconds=0.5)
+    mgr.restore()
+    mgr.save_if_due(1)  # not due yet
+    time.sleep(0.6)
+    assert mgr.save_if_due(2) == os.path.join(folder, "step2")  # due: starts, and fails
+    _until_settled(mgr)
+    with pytest.raises(CheckpointSaveError, match="step 2"):
+        mgr.save_if_due(3)  # still due (the failed save does not count): saved, then the error
+    mgr.close(final_save=False)
+    assert _steps_on_disk(folder) == [3]
+
+
+def test_ctrl_c_during_a_resave_on_an_object_store_leaves_nothing_missing_listed() -> None:
+    # Ctrl-C inside the save that made step 4 permanent, after the store had removed step 4's
+    # ephemeral: the manager still listed step 4 and close() skipped the final save, leaving
+    # only step 0 to resume from (an outside attack).
+    import uuid
+
+    url = f"memory://ctrlc-{uuid.uuid4().hex[:8]}/run"
+    armed = {"on": False}
+
+    def interrupt(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 4 and armed["on"]:
+            armed["on"] = False
+            raise KeyboardInterrupt
+
+    cfg = CheckpointPolicyConfig(save_interval=None, ephemeral_save_interval=2, save_async=False)
+    mgr = CheckpointManager(url, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=interrupt))
+    mgr.restore()
+    for step in range(1, 5):
+        mgr.save_if_due(step)
+    armed["on"] = True
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(4)
+    listed = [p.rsplit("/", 1)[-1] for p in mgr.ephemeral_checkpoints + mgr.checkpoints]
+    assert "step4" not in listed
+    mgr.close()  # the final step is saved again
+    assert [i.step for i in mgr.checkpointer.list_checkpoints(url) if i.complete] == [0, 2, 4]
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_a_resumed_run_keeps_the_checkpoint_it_resumed_from(tmp_path: Path, store: bool) -> None:
+    # Resumed at step 8, save_if_due(8) wrote step 8 again (on an object store, removing the
+    # resume point first); and when save(8, force=True) failed there, close() did not write it
+    # back, so the next run resumed from step 4 (an outside attack).
+    import uuid
+
+    folder = f"memory://resumed-{uuid.uuid4().hex[:8]}/run" if store else str(tmp_path / "run")
+    cfg = CheckpointPolicyConfig(save_interval=4, save_async=False)
+    first = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg)
+    first.restore()
+    for step in range(1, 9):
+        first.save_if_due(step)
+    first.close()
+    writes: list[int] = []
+    failing = {"on": False}
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name == "writing tensors":
+            writes.append(stage.step)
+            if failing["on"]:
+                raise OSError(5, "Input/output error", "injected")
+
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=hook))
+    assert mgr.restore() == 8
+    assert mgr.save_if_due(8) is None and writes == []  # saved already
+    failing["on"] = True
+    with pytest.raises(CheckpointSaveError):
+        mgr.save(8, force=True)
+    failing["on"] = False
+    mgr.close()
+    assert 8 in [i.step for i in mgr.checkpointer.list_checkpoints(folder) if i.complete]
