@@ -778,3 +778,27 @@ def test_a_resumed_run_keeps_the_checkpoint_it_resumed_from(tmp_path: Path, stor
     failing["on"] = False
     mgr.close()
     assert 8 in [i.step for i in mgr.checkpointer.list_checkpoints(folder) if i.complete]
+
+
+def test_an_on_saved_callback_that_raises_is_not_called_again_for_that_save(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    cfg = CheckpointPolicyConfig(save_interval=2, save_async=True, pre_train_checkpoint=False)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg)
+    seen: list[str] = []
+
+    def note(path: str, result: Any) -> None:
+        seen.append(os.path.basename(path))
+        if len(seen) == 1:
+            raise RuntimeError("a callback's own bug")
+
+    mgr.on_saved.append(note)
+    mgr.restore()
+    raised = 0
+    for step in range(1, 7):
+        _until_settled(mgr)
+        try:
+            mgr.save_if_due(step)
+        except RuntimeError:
+            raised += 1
+    mgr.close()
+    assert raised == 1 and seen == ["step2", "step4", "step6"]
