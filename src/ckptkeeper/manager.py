@@ -533,7 +533,13 @@ class CheckpointManager:
         earlier = self._collect(blocking=False)
         if not self.checkpoint_pending:
             self._remove_due()
-        self.poll()
+        # An on_saved callback's error is raised after this call's own save too (it stopped the
+        # save that was due, an outside attack found).
+        callback_error = self._poll_deferred()
+        if earlier is None:
+            earlier = callback_error
+        elif callback_error is not None:
+            log.error("an on_saved callback failed: %s", callback_error, exc_info=callback_error)
         if step == self._latest_step or self._loaded_here(step):
             # Called twice for one step (a framework hook, say), or at the step this run resumed
             # from this folder's checkpoint of it: saved already (writing it again removed the
@@ -598,17 +604,17 @@ class CheckpointManager:
         if not self._begun or not self.config.enabled:
             self.poll(wait=True)
             return
-        # A run that resumed and trained no further has nothing new to save, unless a save of
-        # the loaded step (force=True) failed after removing its checkpoint (object stores clear a
-        # step first): the loaded checkpoint is written back (an outside attack had the next run
-        # resume from an older one).
-        trained = not (self.checkpoint_loaded and self.step == self.start_step)
-        if not trained and self._resaved_start:
-            trained = not D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(self.loaded_from or ""))
         # The save in flight first: if it failed, its step counts as not saved and the final save
         # below writes it; its error is raised once that is done (not before: the final step
         # would be lost with it).
         failed = self._collect(blocking=True)
+        # A run that resumed and trained no further has nothing new to save, unless a save of
+        # the loaded step (force=True) failed after removing its checkpoint (object stores clear a
+        # step first): the loaded checkpoint is written back (outside attacks had the next run
+        # resume from an older one). Looked at once that save has ended.
+        trained = not (self.checkpoint_loaded and self.step == self.start_step)
+        if not trained and self._resaved_start:
+            trained = not D.on_rank0(lambda: self.checkpointer.dir_is_checkpoint(self.loaded_from or ""))
         try:
             if trained and needs_final_save(self.step, self._latest_step):
                 self._save(SaveKind.permanent, use_async=False)
@@ -727,7 +733,11 @@ class CheckpointManager:
         self._refuse_in_save("CheckpointManager.write_checkpoint()")
         if not self._opened:
             raise ConfigurationError("call restore() before saving (it takes the save folder and resumes)")
-        self.poll()
+        failed = self._poll_deferred()
+        if failed is not None:
+            # Raised here it would stop the save about to start (the schedule's callers have run
+            # the callbacks already and raise their errors after their save).
+            log.error("an on_saved callback failed: %s", failed, exc_info=failed)
         # Marked while user code runs here (the trainer state's objects, a synchronous save's hooks).
         self._writing = threading.get_ident()
         try:
@@ -764,6 +774,15 @@ class CheckpointManager:
             # Raised once this save is under way: an earlier save's failure never costs this one.
             raise earlier
         return path
+
+    def _poll_deferred(self) -> BaseException | None:
+        """:meth:`poll`, an on_saved callback's error returned instead of raised (the caller raises
+        it once its own save is under way)."""
+        try:
+            self.poll()
+        except Exception as exc:
+            return exc
+        return None
 
     def _loaded_here(self, step: int) -> bool:
         """Whether this run resumed at ``step`` from this save folder's checkpoint of that step."""

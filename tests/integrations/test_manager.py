@@ -802,3 +802,55 @@ def test_an_on_saved_callback_that_raises_is_not_called_again_for_that_save(tmp_
             raised += 1
     mgr.close()
     assert raised == 1 and seen == ["step2", "step4", "step6"]
+
+
+def test_a_raising_on_saved_callback_does_not_stop_the_due_save(tmp_path: Path) -> None:
+    # The callback of step 2's save ran at step 4's call, before step 4's save: its error
+    # stopped that save, and the run had no checkpoint after step 2 (an outside attack).
+    folder = str(tmp_path / "run")
+    cfg = CheckpointPolicyConfig(save_interval=2, save_async=True, pre_train_checkpoint=False)
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg)
+
+    def buggy(path: str, result: Any) -> None:
+        if path.endswith("step2"):
+            raise RuntimeError("a callback's own bug")
+
+    mgr.on_saved.append(buggy)
+    mgr.restore()
+    for step in range(1, 4):
+        mgr.save_if_due(step)
+    _until_settled(mgr)
+    with pytest.raises(RuntimeError, match="callback's own bug"):
+        mgr.save_if_due(4)  # step 4 is saved, then the callback's error is raised
+    mgr.wait()
+    assert _steps_on_disk(folder) == [2, 4]  # saved by that call, not by close()
+    mgr.close()
+
+
+def test_a_failing_async_resave_of_the_resumed_step_is_written_back_at_close() -> None:
+    # With async saves, close() looked for the resumed step's checkpoint before the failing
+    # forced re-save of it had ended: the old checkpoint was still there, so no final save was
+    # made, and the re-save then removed it (an outside attack): the next run resumed at step 4.
+    import uuid
+
+    url = f"memory://resave-async-{uuid.uuid4().hex[:8]}/run"
+    cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
+    first = CheckpointManager(url, model=nn.Linear(2, 2), config=cfg)
+    first.restore()
+    for step in range(1, 9):
+        first.save_if_due(step)
+    first.close()
+    failing = {"on": True}
+
+    def slow_failure(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and failing["on"]:
+            failing["on"] = False
+            time.sleep(0.3)
+            raise OSError(5, "Input/output error", "injected")
+
+    mgr = CheckpointManager(url, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=slow_failure))
+    assert mgr.restore() == 8
+    mgr.save(8, force=True)  # async: removes step 8, then fails
+    with pytest.raises(CheckpointSaveError):
+        mgr.close()
+    assert [i.step for i in mgr.checkpointer.list_checkpoints(url) if i.complete] == [0, 4, 8]
