@@ -80,7 +80,9 @@ def test_background_failure_surfaces_with_step_and_file(tmp_path: Path) -> None:
     msg = str(info.value)
     assert "step 4" in msg and "__0_0.distcp" in msg and "Input/output error" in msg
     # Nothing half-visible: step 4 is neither complete nor left as a folder; step 0 is intact.
-    assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path))] == [0]
+    # (Raised at step 5 when the failure was over by then, or after step 8's due save started,
+    # which a failure never costs: then step 8 is complete too.)
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path))] in ([0], [0, 8])
     assert not (tmp_path / "step4").exists()
 
 
