@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -483,6 +484,31 @@ def _async_manager_failing_once(folder: str, step: int, interval: int) -> tuple[
     return mgr, attempts
 
 
+def _raised_over_steps(
+    mgr: CheckpointManager, last: int, errors: type[BaseException], settle: Callable[[int], bool]
+) -> int:
+    """Call save_if_due for steps 1..last (first letting the save in flight end where ``settle``
+    says); how many calls raised ``errors``."""
+    raised = 0
+    for step in range(1, last + 1):
+        if settle(step):
+            _until_settled(mgr)
+        try:
+            mgr.save_if_due(step)
+        except errors:
+            raised += 1
+    return raised
+
+
+def _first_run(folder: str, cfg: CheckpointPolicyConfig, steps: int = 8) -> None:
+    """A whole run of ``steps`` steps saving to ``folder`` (for a second run to resume)."""
+    first = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg)
+    first.restore()
+    for step in range(1, steps + 1):
+        first.save_if_due(step)
+    first.close()
+
+
 def _until_settled(mgr: CheckpointManager) -> None:
     """Wait until the save in flight has ended (its outcome not collected)."""
     deadline = time.monotonic() + 30
@@ -688,14 +714,7 @@ def test_a_keyboard_interrupt_inside_an_async_save_is_raised_once_and_saving_goe
     cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
     mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=interrupt))
     mgr.restore()
-    raised = 0
-    for step in range(1, 13):
-        if step == 5:
-            _until_settled(mgr)
-        try:
-            mgr.save_if_due(step)
-        except KeyboardInterrupt:
-            raised += 1
+    raised = _raised_over_steps(mgr, 12, KeyboardInterrupt, lambda step: step == 5)
     mgr.close()
     assert raised == 1 and _steps_on_disk(folder) == [0, 8, 12]
 
@@ -755,11 +774,7 @@ def test_a_resumed_run_keeps_the_checkpoint_it_resumed_from(tmp_path: Path, stor
 
     folder = f"memory://resumed-{uuid.uuid4().hex[:8]}/run" if store else str(tmp_path / "run")
     cfg = CheckpointPolicyConfig(save_interval=4, save_async=False)
-    first = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg)
-    first.restore()
-    for step in range(1, 9):
-        first.save_if_due(step)
-    first.close()
+    _first_run(folder, cfg)
     writes: list[int] = []
     failing = {"on": False}
 
@@ -793,13 +808,7 @@ def test_an_on_saved_callback_that_raises_is_not_called_again_for_that_save(tmp_
 
     mgr.on_saved.append(note)
     mgr.restore()
-    raised = 0
-    for step in range(1, 7):
-        _until_settled(mgr)
-        try:
-            mgr.save_if_due(step)
-        except RuntimeError:
-            raised += 1
+    raised = _raised_over_steps(mgr, 6, RuntimeError, lambda step: True)
     mgr.close()
     assert raised == 1 and seen == ["step2", "step4", "step6"]
 
@@ -835,11 +844,7 @@ def test_a_failing_async_resave_of_the_resumed_step_is_written_back_at_close() -
 
     url = f"memory://resave-async-{uuid.uuid4().hex[:8]}/run"
     cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
-    first = CheckpointManager(url, model=nn.Linear(2, 2), config=cfg)
-    first.restore()
-    for step in range(1, 9):
-        first.save_if_due(step)
-    first.close()
+    _first_run(url, cfg)
     failing = {"on": True}
 
     def slow_failure(stage: SaveStage) -> None:
