@@ -677,10 +677,16 @@ class CheckpointManager:
     def drain(self) -> None:
         """Let a save in flight finish (after an error): its own failure is logged, not raised."""
         self._refuse_in_save("CheckpointManager.drain()")
-        if self._future is not None:
+        fut = self._future
+        if fut is not None:
             try:
                 self._await_last()
-            except Exception as err:
+            except BaseException as err:
+                # The save's own outcome is logged, a KeyboardInterrupt raised inside it too (it
+                # replaced the error close() was draining after, an outside attack found); an
+                # interruption of this wait goes on as it is.
+                if not isinstance(err, Exception) and not is_outcome(fut, err):
+                    raise
                 log.error("the checkpoint save in flight failed: %s", err)
                 self.mark_reported(err)
             finally:

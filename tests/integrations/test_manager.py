@@ -859,3 +859,29 @@ def test_a_failing_async_resave_of_the_resumed_step_is_written_back_at_close() -
     with pytest.raises(CheckpointSaveError):
         mgr.close()
     assert [i.step for i in mgr.checkpointer.list_checkpoints(url) if i.complete] == [0, 4, 8]
+
+
+def test_a_keyboard_interrupt_inside_a_background_save_does_not_mask_the_users_error(tmp_path: Path) -> None:
+    # close() after an error drains the save in flight and logs its failure; a KeyboardInterrupt
+    # raised inside that save (by a hook) escaped drain() and replaced the training error that
+    # was on its way up (an outside attack).
+    folder = str(tmp_path / "run")
+
+    def interrupt(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 2:
+            raise KeyboardInterrupt
+
+    cfg = CheckpointPolicyConfig(save_interval=2, save_async=True)
+    caught: BaseException | None = None
+    try:
+        with CheckpointManager(
+            folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=interrupt)
+        ) as mgr:
+            mgr.restore()
+            for step in range(1, 3):
+                mgr.save_if_due(step)
+            raise ValueError("training broke")
+    except BaseException as exc:  # caught whatever it is: a KeyboardInterrupt would stop the test session
+        caught = exc
+    assert isinstance(caught, ValueError) and str(caught) == "training broke"
+    assert _steps_on_disk(folder) == [0]
