@@ -28,7 +28,6 @@ from typing import Any, NamedTuple, cast
 
 import torch
 import xxhash
-from torch.distributed.tensor import DTensor
 
 from .fastio import (
     _SMALL_PIECE,
@@ -50,6 +49,7 @@ from .sharded import (
     KindFacts,
     Source,
     _region,
+    _usable,
     bad_table_piece,
     check_whole,
     index_columns,
@@ -146,32 +146,16 @@ def plan_flat(
     new, append = tuple.__new__, reads.append
     if leaves is None:
         leaves = [(fqn, value) for fqn, _, value in _leaves(tensors)]
-    # Each sharding spec's box once per plan: an optimizer's slots share their parameter's spec
-    # object. Keyed by id(): every spec is held by a leaf for the whole loop, so no id is reused.
-    boxes: dict[int, Any] = {}
     for order, (fqn, value) in enumerate(leaves):
-        if type(value) is DTensor:
-            local = value._local_tensor
-            spec = value._spec
-            box = boxes.get(id(spec), _NO_BOX)
-            if box is _NO_BOX:
-                region = _region(value, world)
-                box = boxes[id(spec)] = None if region is None else (region[0].shape, region[1])
-            if box is None or local.shape != box[0]:
-                return None
-            offsets = box[1]
-        else:
-            region = _region(value, world)
-            if region is None:
-                return None
-            local, offsets, _ = region  # the global shape was checked by plan_load
+        region = _region(value, world)
+        if region is None:
+            return None
+        local, offsets, _ = region  # the global shape was checked by plan_load
         info = saved.get(fqn)
         if (
             info is None
             or info.dtype != local.dtype
-            or not local.is_cpu
-            or local.is_sparse
-            or local.is_quantized
+            or not _usable(local)
             or not local.is_contiguous()
             # Its memory holds the conjugated or negated values: raw bytes copied there would load
             # them wrong (found by an outside attack). DCP's reader copies through the view.
@@ -188,9 +172,6 @@ def plan_flat(
             append(new(FlatRead, (spot[0], spot[1], order, spot[2], spot[3], fqn, local)))
     reads.sort()
     return reads
-
-
-_NO_BOX = object()
 
 
 def flat_segments(reads: list[FlatRead]) -> dict[str, list[Segment]]:
