@@ -106,17 +106,15 @@ class RenameCommit:
         # a work folder deleted or emptied under the save (a clean-up of the folder by something
         # else) had the save commit a record without its tensors and report success (found by an
         # outside attack). A stat per file: the files are few (a handful per rank).
-        for rel, entry in record.files.items():
-            path = os.path.join(work, rel)
+        def size_of(rel: str) -> int | None:
             try:
-                size = os.stat(path).st_size
+                return os.stat(os.path.join(work, rel)).st_size
             except FileNotFoundError:
-                raise FileNotFoundError(
-                    errno.ENOENT, "a file of this checkpoint vanished from its work folder before the commit", path
-                ) from None
-            if size != entry.bytes:
-                changed = f"a file of this checkpoint changed size before the commit ({size} != {entry.bytes} bytes)"
-                raise OSError(errno.EIO, changed, path)
+                return None
+
+        require_listed(
+            record, size_of, lambda rel: os.path.join(work, rel), "a file of this checkpoint", " from its work folder"
+        )
         self.storage.write_bytes(os.path.join(work, COMMIT_RECORD), record.to_json())
         clear_target(self.storage, final, self._remove)
         self.storage.rename_dir(work, final)
@@ -169,16 +167,8 @@ class RecordLastCommit:
         # rewritten by something else before the commit gave a record naming a missing or
         # wrong-sized object, reported as a success (found by an outside attack). One listing.
         found = {f.relpath: f.size for f in self.storage.walk(final)}
-        for rel, entry in record.files.items():
-            where = self.storage.join(final, rel)
-            size = found.get(rel)
-            if size is None:
-                raise FileNotFoundError(
-                    errno.ENOENT, "an uploaded file of this checkpoint vanished before the commit", where
-                )
-            if size != entry.bytes:
-                changed = "an uploaded file of this checkpoint changed size before the commit"
-                raise OSError(errno.EIO, f"{changed} ({size} != {entry.bytes} bytes)", where)
+        where = self.storage.join
+        require_listed(record, found.get, lambda rel: where(final, rel), "an uploaded file of this checkpoint")
         self.storage.create_exclusive(self.storage.join(final, COMMIT_RECORD), record.to_json())
 
     def finish(self, work: str) -> None:
@@ -192,6 +182,27 @@ class RecordLastCommit:
             # anyway, and the next run removes (through their intents) whatever this cannot.
             with contextlib.suppress(Exception):
                 clean_leftover(self.storage, final)
+
+
+def require_listed(
+    record: CommitRecord,
+    size_of: Callable[[str], int | None],
+    where: Callable[[str], str],
+    what: str,
+    place: str = "",
+) -> None:
+    """Raise unless every file ``record`` lists has its listed size (``size_of`` gives None for a
+    missing one): FileNotFoundError for a missing file (``what`` vanished ``place``), OSError (EIO)
+    for another size, naming the file (``where``). Both commit methods check this before the
+    record goes in."""
+    for rel, entry in record.files.items():
+        size = size_of(rel)
+        if size is None:
+            raise FileNotFoundError(errno.ENOENT, f"{what} vanished{place} before the commit", where(rel))
+        if size != entry.bytes:
+            raise OSError(
+                errno.EIO, f"{what} changed size before the commit ({size} != {entry.bytes} bytes)", where(rel)
+            )
 
 
 def commit_method_for(storage: Storage, remove: Remove, spool_dir: str | None, upload_threads: int) -> CommitMethod:
