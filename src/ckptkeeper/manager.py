@@ -551,7 +551,7 @@ class CheckpointManager:
                 # Rank 0's clock decides: ranks must start the same saves.
                 elapsed = D.on_rank0(lambda: time.monotonic() - self._last_save_time)
                 kind = decide_timed_save(kind, self.save_every_seconds, elapsed, skip_ephemeral)
-        path = None if kind is None else self._save_then_raise(earlier, kind, metrics=metrics)
+        path = None if kind is None else self._save(kind, metrics=metrics, held=earlier)
         if earlier is not None:
             raise earlier
         return path
@@ -586,7 +586,7 @@ class CheckpointManager:
             path = self._latest_path
         else:
             kind = SaveKind.ephemeral if ephemeral else SaveKind.permanent
-            path = self._save_then_raise(earlier, kind, metrics=metrics)
+            path = self._save(kind, metrics=metrics, held=earlier)
             if wait:
                 try:
                     self._await_last()
@@ -687,8 +687,7 @@ class CheckpointManager:
                 # interruption of this wait goes on as it is.
                 if not isinstance(err, Exception) and not is_outcome(fut, err):
                     raise
-                log.error("the checkpoint save in flight failed: %s", err)
-                self.mark_reported(err)
+                self._report_aside(err, "the checkpoint save in flight failed")
             finally:
                 self._future = None
 
@@ -764,7 +763,15 @@ class CheckpointManager:
         self._notify_saved(result.path, result)
         return result.path, None
 
-    def _save(self, kind: SaveKind, use_async: bool | None = None, metrics: Mapping[str, float] | None = None) -> str:
+    def _save(
+        self,
+        kind: SaveKind,
+        use_async: bool | None = None,
+        metrics: Mapping[str, float] | None = None,
+        held: BaseException | None = None,
+    ) -> str:
+        """Write this step's checkpoint. ``held``: an earlier save's error the caller raises after
+        this save (logged here if this save fails, whose error is then raised instead)."""
         use_async = bool(self._save_async) if use_async is None else use_async
         was_pending = self.checkpoint_pending
         earlier = self._collect(blocking=True)
@@ -774,7 +781,7 @@ class CheckpointManager:
         try:
             path = self._write(kind, use_async, metrics)
         except BaseException:
-            self._report_aside(earlier)
+            self._report_aside(earlier or held)
             raise
         if earlier is not None:
             # Raised once this save is under way: an earlier save's failure never costs this one.
@@ -796,21 +803,10 @@ class CheckpointManager:
             return False
         return self.loaded_from.rstrip("/") == final_path(self.save_folder, step).rstrip("/")
 
-    def _save_then_raise(
-        self, earlier: BaseException | None, kind: SaveKind, metrics: Mapping[str, float] | None = None
-    ) -> str:
-        """:meth:`_save`, for a caller holding an earlier save's error to raise afterwards (logged
-        here if this save fails too, which is then raised instead)."""
-        try:
-            return self._save(kind, metrics=metrics)
-        except BaseException:
-            self._report_aside(earlier)
-            raise
-
-    def _report_aside(self, earlier: BaseException | None) -> None:
-        # Another error is on its way up: the earlier save's failure is logged, not lost.
+    def _report_aside(self, earlier: BaseException | None, what: str = "an earlier checkpoint save failed too") -> None:
+        # Not raised (another error is on its way up, or the caller goes on): logged, not lost.
         if earlier is not None:
-            log.error("an earlier checkpoint save failed too: %s", earlier)
+            log.error("%s: %s", what, earlier)
             self.mark_reported(earlier)
 
     def _collect(self, blocking: bool) -> BaseException | None:
@@ -1088,10 +1084,7 @@ class CheckpointManager:
         # A save in flight is finished first: if it failed, its step is saved again below instead
         # of counting as saved (its error is logged, not raised, so that the preemption save
         # still happens).
-        failed = self._collect(blocking=True)
-        if failed is not None:
-            log.error("the checkpoint save in flight failed: %s", failed)
-            self.mark_reported(failed)
+        self._report_aside(self._collect(blocking=True), "the checkpoint save in flight failed")
         self.poll()  # on_saved for saves that finished
         path: str | None = self._latest_path or None
         if needs_final_save(self.step, self._latest_step):
