@@ -462,6 +462,16 @@ def test_an_emergency_save_in_a_signal_handler_does_not_swallow_the_failed_save_
     mgr.close(final_save=False)
 
 
+def _interrupting_at(step: int) -> Checkpointer:
+    """A checkpointer whose saves of ``step`` raise KeyboardInterrupt inside the save (a hook)."""
+
+    def interrupt(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == step:
+            raise KeyboardInterrupt
+
+    return Checkpointer(on_stage=interrupt)
+
+
 def _fails_once_at(step: int) -> tuple[Checkpointer, dict[str, int]]:
     """A checkpointer whose first save of ``step`` fails while writing (EIO); later ones work."""
     attempts = {"n": 0}
@@ -706,13 +716,8 @@ def test_a_keyboard_interrupt_inside_an_async_save_is_raised_once_and_saving_goe
     # call and from close(): poll() re-raised it each time, and no later or final save was made
     # (an outside attack).
     folder = str(tmp_path / "run")
-
-    def interrupt(stage: SaveStage) -> None:
-        if stage.name == "writing tensors" and stage.step == 4:
-            raise KeyboardInterrupt
-
     cfg = CheckpointPolicyConfig(save_interval=4, save_async=True)
-    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=interrupt))
+    mgr = CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=_interrupting_at(4))
     mgr.restore()
     raised = _raised_over_steps(mgr, 12, KeyboardInterrupt, lambda step: step == 5)
     mgr.close()
@@ -866,17 +871,10 @@ def test_a_keyboard_interrupt_inside_a_background_save_does_not_mask_the_users_e
     # raised inside that save (by a hook) escaped drain() and replaced the training error that
     # was on its way up (an outside attack).
     folder = str(tmp_path / "run")
-
-    def interrupt(stage: SaveStage) -> None:
-        if stage.name == "writing tensors" and stage.step == 2:
-            raise KeyboardInterrupt
-
     cfg = CheckpointPolicyConfig(save_interval=2, save_async=True)
     caught: BaseException | None = None
     try:
-        with CheckpointManager(
-            folder, model=nn.Linear(2, 2), config=cfg, checkpointer=Checkpointer(on_stage=interrupt)
-        ) as mgr:
+        with CheckpointManager(folder, model=nn.Linear(2, 2), config=cfg, checkpointer=_interrupting_at(2)) as mgr:
             mgr.restore()
             for step in range(1, 3):
                 mgr.save_if_due(step)
