@@ -1072,7 +1072,6 @@ class TrainingState:
 
         state_t: dict[str, Any] = {}
         state_m: dict[str, Any] = {}
-        new_dtensor, empty_like = DTensor.__new__, torch.empty_like
         for fqn in [*json_state, *(f for f in by_fqn if f not in json_state)]:
             p = own.get(fqn)
             if p is None:
@@ -1102,8 +1101,7 @@ class TrainingState:
                 if not (shape and info.shape == shape):
                     t = torch.empty(info.shape, dtype=dtype)
                 elif like is not None and like[2] == dtype:
-                    # What _empty_like makes, without its checks (and _dtensor's body, without its call).
-                    t = new_dtensor(DTensor, empty_like(like[0]), like[1], requires_grad=False)
+                    t = _dtensor(torch.empty_like(like[0]), like[1])  # what _empty_like makes, without its checks
                 else:
                     t = _empty_like(p, dtype)
                 if "." in rest:
