@@ -104,10 +104,15 @@ def test_bench_at_two_ranks_on_s3_reports_bytes_fetched_per_rank(tmp_path: Path,
     assert os.listdir(tmp_path) == []
 
 
+def _bench_in(folder: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """``ckptkeeper bench --repeats 1 --dir folder ARGS`` in one process, output captured."""
+    cmd = [sys.executable, "-m", "ckptkeeper", "bench", "--repeats", "1", "--dir", str(folder), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
 def test_compare_tensors_refuses_an_unfair_comparison(tmp_path: Path) -> None:
     def bench(*args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "ckptkeeper", "bench", "--repeats", "1", "--dir", str(tmp_path), *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        return _bench_in(tmp_path, *args)
 
     more = bench("--model-mib", "2", "--tensors", "8", "--compare-tensors", "20")
     assert more.returncode != 0 and "--compare-tensors 20 is not fewer tensors than the state's 8" in more.stderr
@@ -123,11 +128,8 @@ def test_tensors_refuses_a_split_that_cannot_keep_the_model_size(tmp_path: Path)
     # --tensors alone took any count: layers of whole columns cannot split a small model into
     # very many tensors, so the built model had other bytes than asked (10**9 tensors of 1 MiB
     # never finished building). Refused before anything is built, naming the fix.
-    cmd = [sys.executable, "-m", "ckptkeeper", "bench", "--repeats", "1", "--dir", str(tmp_path)]
     for count in ("20000", "1000000000"):
-        done = subprocess.run(
-            [*cmd, "--model-mib", "1", "--tensors", count], capture_output=True, text=True, timeout=120
-        )
+        done = _bench_in(tmp_path, "--model-mib", "1", "--tensors", count, timeout=120)
         assert done.returncode != 0, done.stdout
         assert (
             f"--model-mib 1 in {count} tensors" in done.stderr
