@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 import xxhash
+from torch.distributed.tensor import DTensor
 
 from .fastio import (
     _SMALL_PIECE,
@@ -148,11 +149,24 @@ def plan_flat(
     new, append = tuple.__new__, reads.append
     if leaves is None:
         leaves = [(fqn, value) for fqn, _, value in _leaves(tensors)]
+    # (local shape, global offsets) by id(spec), for this call only (every leaf, and with it its
+    # spec, lives until it returns): a parameter's optimizer slots share its spec object, so
+    # most DTensors skip _region's checks of a spec it has seen (about 7 ms at 10,000 tensors).
+    boxes: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}
     for order, (fqn, value) in enumerate(leaves):
-        region = _region(value, world)
-        if region is None:
-            return None
-        local, offsets, _ = region  # the global shape was checked by plan_load
+        if (
+            isinstance(value, DTensor)
+            and (box := boxes.get(id(value._spec))) is not None
+            and value._local_tensor.shape == box[0]
+        ):
+            local, offsets = value._local_tensor, box[1]
+        else:
+            region = _region(value, world)
+            if region is None:
+                return None
+            local, offsets, _ = region  # the global shape was checked by plan_load
+            if isinstance(value, DTensor):
+                boxes[id(value._spec)] = (local.shape, offsets)
         info = saved.get(fqn)
         if (
             info is None
