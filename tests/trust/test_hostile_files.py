@@ -374,3 +374,31 @@ def test_rollback_restores_exactly_the_pieces_it_backed_up() -> None:
     t.fill_(7.0)
     full.restore()
     assert t.tolist() == [0.0, 1.0, 2.0, 3.0, -1.0, -1.0, -1.0, -1.0]
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["fresh backups", "stager buffers"])
+def test_rollback_backs_up_overlapping_tensors_of_different_storages_before_any_is_written(staged: bool) -> None:
+    # Found by an outside attack: tensors whose bytes overlap without sharing a storage (two
+    # torch.from_numpy views of one array) were backed up one at a time, so the second backup
+    # was taken after the first tensor's read had overwritten their common bytes, and a failed
+    # load put those bytes back wrong. They are backed up up front, as tensors sharing a storage are.
+    import numpy as np
+
+    from ckptkeeper.engine.loader import Rollback
+    from ckptkeeper.engine.staging import Stager
+
+    base = np.arange(20, dtype=np.float32)
+    a, b = torch.from_numpy(base[0:12]), torch.from_numpy(base[6:18])
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()  # two storages
+    tree = {"model": {"a": a, "b": b, "c": torch.arange(4, dtype=torch.float32)}}
+    before = base.copy()
+    stager = Stager()
+    if staged:
+        stager.buffers_for(tree)
+    guard = Rollback(stager, tree, incremental=True)
+    guard.back_up_whole(["model.a"])  # as the reader does, just before reading each run
+    a.fill_(-1.0)  # the read of a, which also writes b's first six floats
+    guard.before_write("model.b", 0, b.nbytes)
+    b.fill_(-2.0)
+    guard.restore()  # the load failed after that
+    assert base.tolist() == before.tolist()

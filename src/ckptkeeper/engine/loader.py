@@ -201,18 +201,30 @@ class Rollback:
         self._saved: dict[str, int] = {}  # bytes backed up from the start of each tensor
         self._lock = threading.Lock()
         by_storage: dict[int, list[str]] = {}
+        ends: dict[int, int] = {}  # where each storage's memory ends, by where it starts
         opaque: set[str] = set()
         for name, local in locals_:
             if local.numel():
                 try:
-                    by_storage.setdefault(local.untyped_storage().data_ptr(), []).append(name)
+                    storage = local.untyped_storage()
+                    at = storage.data_ptr()
+                    by_storage.setdefault(at, []).append(name)
+                    ends[at] = max(ends.get(at, at), at + storage.nbytes())
                 except RuntimeError:
                     # A wrapper tensor subclass has no memory of its own (DCP's reader fills it
                     # through its own copy_): backed up whole, up front, with torch's copies.
                     opaque.add(name)
         # Tensors that share memory (tied weights) are backed up up front: backed up one at a
         # time, the second copy would be taken after the first name's load had overwritten it.
+        # So are tensors of storages whose memory overlaps another's (two torch.from_numpy views
+        # of one array; found by an outside attack).
         shared = {n for names in by_storage.values() if len(names) > 1 for n in names} | opaque
+        reach, reach_at = -1, -1
+        for at in sorted(ends):
+            if at < reach:
+                shared.update(by_storage[at], by_storage[reach_at])
+            if ends[at] > reach:
+                reach, reach_at = ends[at], at
         # (buffer, tensor) of each guarded tensor the stager holds a buffer for, paired once here:
         # back_up_whole then costs a dictionary look-up per name (it is called for every piece a
         # load reads, optimizer slots included, 10,000 names a load at 2,500 parameters).
