@@ -578,7 +578,12 @@ def _set_optimizer_state(
                 # In the order the optimizer keeps them now (what load_state_dict gives when fed
                 # the optimizer's own state_dict, as DCP does): the next save then has the layout
                 # the last one had, and reuses its metadata instead of rebuilding it.
-                slots = {k: slots[k] for k in [*(k for k in now if k in slots), *(k for k in slots if k not in now)]}
+                if now.keys() == slots.keys():  # the usual case (AdamW's saved order differs): one pass
+                    slots = {k: slots[k] for k in now}
+                else:
+                    slots = {
+                        k: slots[k] for k in [*(k for k in now if k in slots), *(k for k in slots if k not in now)]
+                    }
             # The parameter's facts once, and the CPU compared by flag: each ``.device`` makes an
             # object, and this runs for every slot of every parameter.
             p_dtype, p_float, p_cpu = p.dtype, p.is_floating_point(), p.is_cpu
