@@ -977,3 +977,19 @@ def test_a_plans_flat_list_is_exactly_the_leaves_of_its_tree() -> None:
             from_tree = sorted((name, id(t)) for name, _, t in _leaves(plan.tensors))
             assert from_tree and sorted((name, id(t)) for name, t in plan.flat) == from_tree
             assert len(plan.flat) == len(from_tree)
+
+
+@pytest.mark.parametrize("writer", ["auto", "dcp"])
+def test_a_model_left_on_the_meta_device_gets_an_error_that_says_so(tmp_path: Path, writer: str) -> None:
+    # Found by an outside attack: a model built under torch.device("meta") and never
+    # materialised raised torch's bare "Cannot copy out of meta tensor" from the load's backup.
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    res = Checkpointer(writer=writer).save(str(tmp_path), 1, TrainingState(saved, torch.optim.SGD(saved.parameters())))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.device("meta"):
+        model[1] = nn.Linear(4, 2)  # half materialised: the real half must come out untouched
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ConfigurationError, match=r"1\.weight.*meta device.*to_empty"):
+        Checkpointer().load(res.path, TrainingState(model, torch.optim.SGD(model.parameters())))
+    assert torch.equal(model[0].weight, before)

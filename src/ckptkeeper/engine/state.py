@@ -928,12 +928,21 @@ class TrainingState:
         cur_t, cur_m = split_tensors(msd, "model")
         known: set[str] = set()
         model_t: dict[str, Any] = {}
+        unmade: list[str] = []  # on the meta device: no memory to read into
         for path, t in _leaves(cur_t):
             key = "model." + ".".join(path)
             known.add(key)
             if fit.take(key, t):
                 _put(model_t, path, t)
                 flat.append((key, t))
+                if (t._local_tensor if isinstance(t, DTensor) else t).is_meta:
+                    unmade.append(key[len("model.") :])
+        if unmade:
+            more = f" (and {len(unmade) - 1} more)" if len(unmade) > 1 else ""
+            raise ConfigurationError(
+                f"cannot load {where} into this model: {unmade[0]}{more} is on the meta device (made without "
+                "memory); materialise the model first, e.g. model.to_empty(device='cpu'), then load"
+            )
         fit.unexpected += [k for k, v in saved.items() if k.startswith("model.") and k not in known and v is not None]
         model_m = cur_m
         if saved_meta is not None:
