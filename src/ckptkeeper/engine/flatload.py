@@ -151,7 +151,7 @@ def plan_flat(
         leaves = [(fqn, value) for fqn, _, value in _leaves(tensors)]
     # (local shape, global offsets) by id(spec), for this call only (every leaf, and with it its
     # spec, lives until it returns): a parameter's optimizer slots share its spec object, so
-    # most DTensors skip _region's checks of a spec it has seen (about 7 ms at 10,000 tensors).
+    # most DTensors skip _region's checks of a spec it has seen (3-4 ms at 10,000 tensors, measured).
     boxes: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}
     for order, (fqn, value) in enumerate(leaves):
         if (
