@@ -1083,16 +1083,26 @@ def _overlapping(jobs: list[tuple[str, torch.Tensor, Any]]) -> set[str]:
     # per load of 10,000 tensors.
     if not any_overlap([job[1] for job in jobs]):
         return set()
-    spans = sorted(
+    return overlapping_spans(
         (dest.data_ptr(), dest.data_ptr() + n, fqn)
         for fqn, dest, _ in jobs
         if (n := dest.numel() * dest.element_size())
     )
-    out: set[str] = set()
-    reach, reach_name = -1, ""
-    for start, end, fqn in spans:
+
+
+K = TypeVar("K")
+
+
+def overlapping_spans(spans: Iterable[tuple[int, int, K]]) -> set[K]:
+    """The keys of the spans ``(start, end, key)`` (end excluded) that overlap another span."""
+    out: set[K] = set()
+    reach, reach_key = -1, None
+    for start, end, key in sorted(spans, key=_START_END):
         if start < reach:
-            out.update((fqn, reach_name))
+            out.update((key, cast(K, reach_key)))
         if end > reach:
-            reach, reach_name = end, fqn
+            reach, reach_key = end, key
     return out
+
+
+_START_END = operator.itemgetter(0, 1)

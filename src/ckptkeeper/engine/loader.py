@@ -29,6 +29,7 @@ from ..errors import CorruptCheckpointError
 from ..storage import is_url, storage_for
 from ..storage.layout import MODEL_DIR, train_state_name
 from ..storage.local import open_regular
+from .fastio import overlapping_spans
 from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, loads_bounded
 from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
 from .staging import Stager, local_shard
@@ -219,12 +220,8 @@ class Rollback:
         # So are tensors of storages whose memory overlaps another's (two torch.from_numpy views
         # of one array; found by an outside attack).
         shared = {n for names in by_storage.values() if len(names) > 1 for n in names} | opaque
-        reach, reach_at = -1, -1
-        for at in sorted(ends):
-            if at < reach:
-                shared.update(by_storage[at], by_storage[reach_at])
-            if ends[at] > reach:
-                reach, reach_at = ends[at], at
+        for at in overlapping_spans((at, end, at) for at, end in ends.items()):
+            shared.update(by_storage[at])
         # (buffer, tensor) of each guarded tensor the stager holds a buffer for, paired once here:
         # back_up_whole then costs a dictionary look-up per name (it is called for every piece a
         # load reads, optimizer slots included, 10,000 names a load at 2,500 parameters).
