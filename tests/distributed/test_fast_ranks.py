@@ -495,3 +495,12 @@ def test_parameters_that_are_lazy_conjugates_or_negations_load_their_values(tmp_
     # memory holds the conjugated (or negated) values, so it read back conjugated, silently.
     for value in _ok(run_ranks(2, workers.load_into_lazy_views, str(tmp_path / "c"), out=tmp_path / "o")):
         assert value == {"c": True, "n": True, "still_lazy": True}, value
+
+
+def test_saves_of_the_same_tensors_reuse_their_plans_and_hold_the_state_of_their_step(tmp_path: Path) -> None:
+    for value in _ok(run_ranks(2, workers.saves_reusing_plans, str(tmp_path / "ck"), out=tmp_path / "o")):
+        # Hits and misses after step 5, then after steps 6 and 7: the sync saves of steps 2 and 5
+        # and the async save of step 4 reuse a plan; the first save after the load plans anew.
+        assert value["counts"] == [3, 2, 4, 3], value
+        assert all(value["loaded"].values()) and len(value["loaded"]) == 7, value
+        assert value["by_dcp"], value

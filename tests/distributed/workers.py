@@ -573,3 +573,58 @@ def fsdp1_async_save_and_load(rank: int, folder: str) -> dict[str, Any]:
         "failed_load_changed_nothing": same(after_failed, before_failed),
         "pieces": len(at_call),
     }
+
+
+def saves_reusing_plans(rank: int, folder: str) -> dict[str, Any]:
+    """Train and save again and again (sync, async, after a load) with one checkpointer, which
+    reuses its save plans where the tensors are the same; every checkpoint must hold the state
+    as it was at its save: loaded back by ckptkeeper, and (one reused-plan checkpoint) by stock DCP
+    in no-dist mode, tensor by tensor against the whole tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    model, opt = _sharded()
+    state = TrainingState(model, opt)
+    batches = _batches(rank)
+    ckpt = Checkpointer()
+    digests: dict[int, str] = {}
+
+    def train(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def save(step: int, background: bool = False) -> None:
+        train(step)
+        if background:
+            _, fut = ckpt.save_async(folder, step, state)
+            digests[step] = state_digest(model, opt)  # the state as snapshotted
+            fut.result()
+        else:
+            ckpt.save(folder, step, state)
+            digests[step] = state_digest(model, opt)
+
+    save(1)
+    save(2)  # the same tensors: the plan of step 1
+    save(3, background=True)  # the stager's buffers: a plan of their own
+    save(4, background=True)
+    save(5)  # the live tensors' plan, kept beside the stager's
+    whole = _full_state(model, opt)
+    counts = [ckpt._save_memo.hits, ckpt._save_memo.misses]
+    ckpt.load(f"{folder}/step2", state)  # the optimizer's state is new tensors now
+    save(6)
+    save(7)
+    counts += [ckpt._save_memo.hits, ckpt._save_memo.misses]
+    loaded = {}
+    for step, want in digests.items():
+        other, other_opt = _sharded(seed=1)
+        ckpt.load(f"{folder}/step{step}", TrainingState(other, other_opt))
+        loaded[step] = state_digest(other, other_opt) == want
+    ckpt.close()
+    meta = dcp.FileSystemReader(f"{folder}/step5/model_and_optim").read_metadata()
+    read = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}  # fmt: skip
+    dcp.load(read, checkpoint_id=f"{folder}/step5/model_and_optim", no_dist=True)
+    by_dcp = set(read) == set(whole) and all(torch.equal(read[k], whole[k]) for k in whole)
+    return {"counts": counts, "loaded": loaded, "by_dcp": by_dcp}

@@ -34,6 +34,7 @@ from .deleter import Deleter, clean_save_folder, remove_checkpoint
 from .discovery import CheckpointInfo
 from .gcpause import paused_gc
 from .record import CommitRecord
+from .save_memo import SaveMemo
 from .saving import (
     SaveResult,
     SaveSettings,
@@ -119,6 +120,8 @@ class Checkpointer:
         self.over_budget = over_budget
         self.on_stage = on_stage
         self._stager = Stager()
+        # What the last saves planned, for the next saves of the same tensors (see save_memo).
+        self._save_memo = SaveMemo()
         #: Owns the thread that deletes removed checkpoints' files (see :meth:`remove`).
         self.deleter = Deleter(soft_timeout_s=180.0)
         # Off only in the benchmark, to measure what the load's backup costs.
@@ -274,7 +277,7 @@ class Checkpointer:
         metrics: Mapping[str, float] | None = None,
     ) -> SaveResult:
         # Settings are read now: the manager may give the checkpointer its process group late.
-        settings = SaveSettings(self.process_group, self.writer, self.io_threads, self.on_stage)
+        settings = SaveSettings(self.process_group, self.writer, self.io_threads, self.on_stage, self._save_memo)
         commit = commit_method_for(storage_for(save_folder), self.remove, self.spool_dir, self.upload_threads)
         return write_checkpoint(settings, commit, save_folder, step, tensors, payload, ephemeral, t0, metrics)
 

@@ -50,13 +50,14 @@ from .fastio import (
 from .gcpause import paused_gc
 from .metrics import emit
 from .record import CommitRecord, FileEntry, check_metrics, hash_file
+from .save_memo import SaveMemo
 from .sharded import (
     INDEX_FILE,
-    Piece,
     ShardLayout,
+    ShardPlan,
     index_bytes,
-    local_pieces,
     metadata_bytes,
+    plan_shard,
     shard_name,
     write_shard,
 )
@@ -123,6 +124,8 @@ class SaveSettings:
     writer: str
     io_threads: int
     on_stage: Callable[[SaveStage], None] | None
+    memo: SaveMemo | None = None
+    """The checkpointer's kept save plans (see :mod:`~ckptkeeper.engine.save_memo`)."""
 
 
 @contextlib.contextmanager
@@ -211,11 +214,11 @@ def write_checkpoint(
             commit.prepare(final)
         if world == 1 or settings.writer != "auto":
             return None
-        found = local_pieces(tensors, rank, world)
+        found = plan_shard(tensors, rank, world, settings.memo)
         if found is None:
             return None
-        pieces.extend(found[0])
-        return found[1]
+        shard.append(found)
+        return found.signature
 
     def sink(rel: str) -> Upload | None:
         # Object stores: the data file goes straight up from memory in parts (no local copy of
@@ -229,10 +232,13 @@ def write_checkpoint(
         enter("writing tensors")
         if sharded:
             data_rel = f"{MODEL_DIR}/{shard_name(rank)}"
+            plan = shard[0]
             with translate_os_error(work):
                 shard_files, layout, whole_sums = write_shard(
-                    os.path.join(work, MODEL_DIR), pieces, rank, settings.io_threads, sink(data_rel)
+                    os.path.join(work, MODEL_DIR), plan.pieces, rank, settings.io_threads, sink(data_rel), plan.kept
                 )
+            if settings.memo is not None and plan.kept is not None:
+                settings.memo.keep(plan.kept)
             written.update(shard_files)
             my_layout.append((layout, whole_sums))
             return
@@ -296,7 +302,7 @@ def write_checkpoint(
             enter("publishing")
             commit.publish(work, final, record)
 
-    pieces: list[Piece] = []
+    shard: list[ShardPlan] = []
     sharded = False
     my_layout: list[tuple[ShardLayout, tuple[str, ...]]] = []
     streamed: list[str] = []

@@ -59,11 +59,14 @@ from ..storage.base import Upload
 from ..storage.layout import MODEL_DIR
 from .fastio import (
     _SMALL_PIECE,
+    Leaves,
     Segment,
     _borrowed_view,
     _leaves,
     _new_segment,
     _open_data_file,
+    _plan_writes,
+    _write_planned,
     check_names,
     check_segments,
     dumps_metadata,
@@ -76,11 +79,11 @@ from .fastio import (
     segment_mismatch,
     skeleton_layout,
     skeleton_sums,
-    write_data,
     write_synced,
 )
 from .gcpause import paused_gc
 from .record import FileEntry
+from .save_memo import KeptPlan, SaveMemo, fingerprints
 from .state import SavedTensor
 
 __all__ = [
@@ -92,6 +95,7 @@ __all__ = [
     "PieceIndex",
     "RemoteSource",
     "ShardLayout",
+    "ShardPlan",
     "Source",
     "Stored",
     "build_metadata",
@@ -108,6 +112,7 @@ __all__ = [
     "local_pieces",
     "metadata_bytes",
     "plan_reads",
+    "plan_shard",
     "read_pieces",
     "segments_read",
     "shard_name",
@@ -283,12 +288,46 @@ def local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[P
     so it must be the same list everywhere.
     """
     with paused_gc():  # an object or two per tensor, in a background save too
-        return _local_pieces(tree, rank, world)
+        leaves = _leaves(tree)
+        check_names(leaves)
+        return _local_pieces(leaves, rank, world)
 
 
-def _local_pieces(tree: Mapping[str, Any], rank: int, world: int) -> tuple[list[Piece], str] | None:
-    leaves = _leaves(tree)
-    check_names(leaves)
+class ShardPlan(NamedTuple):
+    """What :func:`plan_shard` found for one save on this rank."""
+
+    pieces: list[Piece]
+    """This rank's pieces (empty when ``kept`` holds the write plan already)."""
+    signature: str
+    """What every rank must share (see :func:`local_pieces`)."""
+    kept: KeptPlan | None
+    """The memo's plan for these tensors (its write plan filled when reused), or None without a memo."""
+
+
+def plan_shard(tree: Mapping[str, Any], rank: int, world: int, memo: SaveMemo | None = None) -> ShardPlan | None:
+    """:func:`local_pieces`, through ``memo``: the plan a save of the same tensors made last time,
+    when every tensor is found as it was (see :mod:`~ckptkeeper.engine.save_memo`); None when this
+    path cannot take the tree."""
+    with paused_gc():
+        leaves = _leaves(tree)
+        found = fingerprints(leaves) if memo is not None else None
+        fqns: list[str] = []
+        paths: list[tuple[str, ...]] = []
+        if memo is not None and found is not None:
+            fqns = [fqn for fqn, _, _ in leaves]
+            paths = [path for _, path, _ in leaves]
+            kept = memo.take(rank, world, fqns, paths, found[0])
+            if kept is not None:
+                return ShardPlan([], kept.signature, kept)
+        check_names(leaves)
+        planned = _local_pieces(leaves, rank, world)
+        if planned is None:
+            return None
+        fresh = KeptPlan(rank, world, fqns, paths, found[0], found[1], planned[1]) if found is not None else None
+        return ShardPlan(planned[0], planned[1], fresh)
+
+
+def _local_pieces(leaves: Leaves, rank: int, world: int) -> tuple[list[Piece], str] | None:
     # One pass over the leaves (a save of 10,000 tensors spent a fifth of its time in this
     # function's loops): DTensor pieces are made here, replicated plain tensors once their writers
     # are known.
@@ -400,26 +439,46 @@ class ShardLayout(NamedTuple):
 
 
 def write_shard(
-    model_dir: str, pieces: list[Piece], rank: int, threads: int, sink: Upload | None = None
+    model_dir: str,
+    pieces: list[Piece],
+    rank: int,
+    threads: int,
+    sink: Upload | None = None,
+    kept: KeptPlan | None = None,
 ) -> tuple[dict[str, FileEntry], ShardLayout, tuple[str, ...]]:
     """Write the pieces this rank writes into its data file and its segment table.
 
     Returns the files written (relative to the checkpoint), what rank 0 needs of them to write
     DCP's metadata, and the data checksums of this rank's whole pieces (in file order: the pieces
     :func:`index_bytes` lists for every rank). With ``sink`` the data file is streamed there
-    (object stores).
+    (object stores). ``kept`` (from :func:`plan_shard`): with its write plan, that plan is written
+    (``pieces`` is not looked at); without, the plan made here is stored in it once written,
+    unless a tensor had to be copied first (that copy dies with this save).
     """
-    # The collector is paused while the per-piece tables are built (a background save runs here
-    # too: its pauses are kept to the table building, never around the writes).
-    with paused_gc():
-        mine = [p for p in pieces if p.writer]
-        tensors = [exact(p.tensor) for p in mine]
     name = shard_name(rank)
     table = os.path.join(os.path.dirname(model_dir), table_name(rank))
     made: list[tuple[ShardLayout, FileEntry, tuple[str, ...]]] = []
+    if kept is not None and kept.plan is not None:
+        plan, reused, copied = kept.plan, True, False
+        mine: list[Piece] = []
+    else:
+        # The collector is paused while the per-piece tables are built (a background save runs
+        # here too: its pauses are kept to the table building, never around the writes).
+        with paused_gc():
+            mine = [p for p in pieces if p.writer]
+            tensors = [exact(p.tensor) for p in mine]
+            plan, reused = _plan_writes(tensors), False
+            # A copy (of a non-contiguous tensor, say) lives only as long as this save.
+            copied = any(t.data_ptr() != p.tensor.data_ptr() and t.numel() for t, p in zip(tensors, mine, strict=True))
 
     def write_table(data_sums: list[str]) -> None:
         # Run while the data file is flushed: the table's per-piece columns and its own write.
+        if reused:
+            assert kept is not None
+            layout, whole_at = kept.layout, kept.whole_at
+            encoded = _encode_table(f"{MODEL_DIR}/{name}", layout, data_sums)
+            made.append((layout, write_synced(table, encoded), tuple(data_sums[i] for i in whole_at)))
+            return
         with paused_gc():
             kinds: dict[tuple[Any, ...], int] = {}
             column = []
@@ -437,11 +496,16 @@ def write_shard(
             layout = ShardLayout(tuple(p.fqn for p in mine), tuple(kinds), tuple(column), tuple(odd))
             encoded = _encode_table(f"{MODEL_DIR}/{name}", layout, data_sums)
             whole = _whole_kinds(layout.kinds)
-            whole_sums = tuple(data_sums[i] for i, k in enumerate(column) if whole[k])
+            whole_at = tuple(i for i, k in enumerate(column) if whole[k])
+            whole_sums = tuple(data_sums[i] for i in whole_at)
         made.append((layout, write_synced(table, encoded), whole_sums))
+        if kept is not None and not copied:
+            kept.layout, kept.whole_at = layout, whole_at
 
-    entry, _ = write_data(os.path.join(model_dir, name), tensors, threads, sink, then=write_table)
+    entry, _ = _write_planned(os.path.join(model_dir, name), plan, threads, sink, write_table)
     layout, table_entry, whole_sums = made[0]
+    if kept is not None and not reused and not copied:
+        kept.plan = plan  # only now: a plan is kept once a write with it went through
     return {f"{MODEL_DIR}/{name}": entry, table_name(rank): table_entry}, layout, whole_sums
 
 

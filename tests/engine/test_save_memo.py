@@ -1,0 +1,214 @@
+"""A per-rank save reuses the last save's plan only for the very same tensors
+(``engine/save_memo.py``): a kept plan holds byte views of the tensors' memory and their
+``torch.save`` heads, so a plan used for a tensor that moved, shrank, changed dtype or layout
+would write wrong bytes, or bytes that are no longer the tensor's.
+
+Checked in one process on what one rank writes (``plan_shard`` + ``write_shard``), every piece
+read back from the data file with ``torch.load`` and compared with the tensor as it was saved.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ckptkeeper.engine.fastio import _leaves
+from ckptkeeper.engine.save_memo import SaveMemo, fingerprints
+from ckptkeeper.engine.sharded import plan_shard, shard_name, table_name, table_pieces, write_shard
+
+_BIG = 1 << 18  # float32 elements: a 1 MiB tensor, written alone (in parts) rather than in a run
+
+
+@pytest.fixture
+def mesh() -> Iterator[DeviceMesh]:
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def _tree(mesh: DeviceMesh | None = None) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    tree: dict[str, Any] = {
+        "model": {
+            "w": torch.nn.Parameter(torch.randn(4, 3, generator=gen)),
+            "big": torch.randn(2, _BIG, generator=gen),
+            "ids": torch.arange(6, dtype=torch.int64),
+            "sq": torch.randn(3, 3, generator=gen),
+            "z": torch.randn(3, dtype=torch.complex64, generator=gen),
+        },
+        "optim": {"state": {"w": {"exp_avg": torch.randn(4, 3, generator=gen), "step": torch.tensor(3.0)}}},
+    }
+    if mesh is not None:
+        tree["model"]["d"] = distribute_tensor(torch.randn(5, 2, generator=gen), mesh, [Shard(0)])
+    return tree
+
+
+def _save(folder: Path, tree: dict[str, Any], memo: SaveMemo, world: int) -> dict[str, torch.Tensor]:
+    """Rank 0's save of ``tree`` through ``memo`` (at ``world`` 1 it writes every piece); each read back."""
+    model_dir = folder / "model_and_optim"
+    model_dir.mkdir(parents=True)
+    plan = plan_shard(tree, 0, world, memo)
+    assert plan is not None
+    write_shard(str(model_dir), plan.pieces, 0, 1, None, plan.kept)
+    if plan.kept is not None:
+        memo.keep(plan.kept)
+    doc = json.loads((folder / table_name(0)).read_bytes())
+    data = (model_dir / shard_name(0)).read_bytes()
+    back: dict[str, torch.Tensor] = {}
+    for fqn, _, stored, _ in table_pieces(doc, shard_name(0), len(data)):
+        segs = stored.segs
+        blob = data[segs["head"].offset : segs["tail"].offset + segs["tail"].length]
+        back[fqn] = torch.load(io.BytesIO(blob), weights_only=True)
+    return back
+
+
+def _expected(tree: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for fqn, _, v in _leaves(tree):
+        t = v._local_tensor if isinstance(v, DTensor) else v
+        out[fqn] = t.detach().resolve_conj().resolve_neg().clone()
+    return out
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for fqn, t in want.items():
+        assert got[fqn].dtype == t.dtype and got[fqn].shape == t.shape, fqn
+        assert torch.equal(got[fqn], t), fqn
+
+
+def test_the_same_tensors_saved_again_reuse_the_plan_and_write_their_new_values(
+    tmp_path: Path, mesh: DeviceMesh
+) -> None:
+    tree = _tree(mesh)
+    memo = SaveMemo()
+    _same(_save(tmp_path / "a", tree, memo, 1), _expected(tree))
+    assert (memo.hits, memo.misses) == (0, 1)
+    with torch.no_grad():  # what an optimizer step does: new values, same memory
+        for _, _, v in _leaves(tree):
+            (v._local_tensor if isinstance(v, DTensor) else v).mul_(2).add_(1)
+    _same(_save(tmp_path / "b", tree, memo, 1), _expected(tree))
+    assert (memo.hits, memo.misses) == (1, 1)
+    # The two tables differ only in their data checksums.
+    a, b = (json.loads((tmp_path / f / table_name(0)).read_bytes()) for f in "ab")
+    assert a["sums"] != b["sums"] and {k: v for k, v in a.items() if k != "sums"} == {
+        k: v for k, v in b.items() if k != "sums"
+    }
+
+
+def _swap(t: torch.Tensor, new: torch.Tensor) -> None:
+    t.data = new
+
+
+def _slot(tree: dict[str, Any], name: str) -> torch.Tensor:
+    return tree["optim"]["state"]["w"][name]  # type: ignore[no-any-return]
+
+
+# Each changes one thing a kept plan depends on, most keeping the tensor's first byte where it was.
+_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "new memory": lambda tr: _swap(tr["model"]["w"], torch.randn(4, 3)),
+    "other dtype, same bytes": lambda tr: _swap(_slot(tr, "exp_avg"), _slot(tr, "exp_avg").view(torch.int32)),
+    "shrunk in place": lambda tr: _swap(tr["model"]["ids"], tr["model"]["ids"][:2]),
+    "reshaped in place": lambda tr: _swap(tr["model"]["ids"], tr["model"]["ids"].view(2, 3)),
+    "transposed (not contiguous)": lambda tr: _swap(tr["model"]["w"], tr["model"]["w"].data.t()),
+    "transposed, same shape": lambda tr: _swap(tr["model"]["sq"], tr["model"]["sq"].t()),
+    "lazy conjugate": lambda tr: _swap(tr["model"]["z"], tr["model"]["z"].conj()),
+    "lazy negation": lambda tr: _swap(_slot(tr, "step"), torch._neg_view(_slot(tr, "step"))),
+    "resized": lambda tr: tr["model"]["ids"].resize_(40),
+    "renamed": lambda tr: tr["model"].__setitem__("w2", tr["model"].pop("w")),
+    "added": lambda tr: tr["model"].__setitem__("extra", torch.ones(2)),
+    "removed": lambda tr: tr["model"].pop("ids"),
+    "same name, other keys": lambda tr: tr.__setitem__("model.big", tr["model"].pop("big")),
+    "local shard swapped": lambda tr: setattr(tr["model"]["d"], "_local_tensor", torch.randn(5, 2)),
+    "spec changed in place": lambda tr: setattr(tr["model"]["d"]._spec, "placements", (Replicate(),)),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_tensor_changed_between_saves_is_planned_anew_and_written_as_it_is_now(
+    tmp_path: Path, mesh: DeviceMesh, change: str
+) -> None:
+    tree = _tree(mesh)
+    memo = SaveMemo()
+    _save(tmp_path / "a", tree, memo, 1)
+    _save(tmp_path / "b", tree, memo, 1)
+    assert (memo.hits, memo.misses) == (1, 1)
+    with torch.no_grad():
+        _CHANGES[change](tree)
+    _same(_save(tmp_path / "c", tree, memo, 1), _expected(tree))
+    assert memo.hits == 1, "a plan made for the tensors before the change was reused"
+    # Saved once more as they now are: reused where nothing had to be copied first.
+    _same(_save(tmp_path / "d", tree, memo, 1), _expected(tree))
+
+
+def test_a_tensor_that_must_be_copied_first_is_never_kept(tmp_path: Path) -> None:
+    tree = _tree()
+    tree["model"]["w"].data = tree["model"]["w"].data.t()  # written from a compact copy, every save
+    memo = SaveMemo()
+    for folder in "abc":
+        _same(_save(tmp_path / folder, tree, memo, 1), _expected(tree))
+    assert memo.hits == 0
+
+
+def test_a_failed_write_keeps_nothing(tmp_path: Path) -> None:
+    class Broken:
+        def write(self, data: Any) -> None:
+            raise OSError("the store went away")
+
+        def close(self) -> None: ...
+
+        def abort(self) -> None: ...
+
+    tree = _tree()
+    memo = SaveMemo()
+    (tmp_path / "model_and_optim").mkdir()
+    plan = plan_shard(tree, 0, 1, memo)
+    assert plan is not None and plan.kept is not None
+    with pytest.raises(OSError, match="went away"):
+        write_shard(str(tmp_path / "model_and_optim"), plan.pieces, 0, 1, Broken(), plan.kept)  # type: ignore[arg-type]
+    memo.keep(plan.kept)
+    _same(_save(tmp_path / "a", tree, memo, 1), _expected(tree))
+    assert (memo.hits, memo.misses) == (0, 2)
+
+
+def test_a_kept_plan_is_lent_to_one_save_at_a_time_and_two_layouts_are_kept(tmp_path: Path) -> None:
+    live, staged = _tree(), _tree()  # a checkpointer's sync saves and its async saves' buffers
+    memo = SaveMemo()
+    _save(tmp_path / "a", live, memo, 1)
+    _save(tmp_path / "b", staged, memo, 1)
+    leaves = _leaves(live)
+    found = fingerprints(leaves)
+    assert found is not None
+    fqns, paths = [f for f, _, _ in leaves], [p for _, p, _ in leaves]
+    assert memo.take(0, 2, fqns, paths, found[0]) is None  # another world size
+    taken = memo.take(0, 1, fqns, paths, found[0])
+    assert taken is not None
+    assert memo.take(0, 1, fqns, paths, found[0]) is None  # lent out: a second save plans its own
+    memo.keep(taken)
+    for folder, tree in (("c", live), ("d", staged), ("e", live)):
+        _same(_save(tmp_path / folder, tree, memo, 1), _expected(tree))
+    assert memo.hits == 4
+
+
+def test_leaves_the_memo_cannot_follow_are_planned_every_time(tmp_path: Path) -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    tree = _tree()
+    assert fingerprints(_leaves(tree)) is not None
+    tree["model"]["w"] = torch.randn(2).as_subclass(Sub)
+    assert fingerprints(_leaves(tree)) is None
