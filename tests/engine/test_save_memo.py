@@ -191,13 +191,10 @@ def test_a_kept_plan_is_lent_to_one_save_at_a_time_and_two_layouts_are_kept(tmp_
     _save(tmp_path / "a", live, memo, 1)
     _save(tmp_path / "b", staged, memo, 1)
     leaves = _leaves(live)
-    found = fingerprints(leaves)
-    assert found is not None
-    fqns, paths = [f for f, _, _ in leaves], [p for _, p, _ in leaves]
-    assert memo.take(0, 2, fqns, paths, found[0]) is None  # another world size
-    taken = memo.take(0, 1, fqns, paths, found[0])
+    assert memo.take(0, 2, leaves) is None  # another world size
+    taken = memo.take(0, 1, leaves)
     assert taken is not None
-    assert memo.take(0, 1, fqns, paths, found[0]) is None  # lent out: a second save plans its own
+    assert memo.take(0, 1, leaves) is None  # lent out: a second save plans its own
     memo.keep(taken)
     for folder, tree in (("c", live), ("d", staged), ("e", live)):
         _same(_save(tmp_path / folder, tree, memo, 1), _expected(tree))
@@ -212,3 +209,16 @@ def test_leaves_the_memo_cannot_follow_are_planned_every_time(tmp_path: Path) ->
     assert fingerprints(_leaves(tree)) is not None
     tree["model"]["w"] = torch.randn(2).as_subclass(Sub)
     assert fingerprints(_leaves(tree)) is None
+
+
+@pytest.mark.parametrize("which", [0, 1100, 2099])
+def test_a_change_anywhere_in_a_large_state_is_seen(tmp_path: Path, which: int) -> None:
+    # Compared a part at a time (a miss stops early): every part must be compared on a hit.
+    tree = {"p": {str(i): torch.full((2,), float(i)) for i in range(2100)}}
+    memo = SaveMemo()
+    _save(tmp_path / "a", tree, memo, 1)
+    _save(tmp_path / "b", tree, memo, 1)
+    assert memo.hits == 1
+    tree["p"][str(which)].data = torch.full((3,), -1.0)
+    _same(_save(tmp_path / "c", tree, memo, 1), _expected(tree))
+    assert memo.hits == 1

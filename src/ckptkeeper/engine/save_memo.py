@@ -7,7 +7,8 @@ the write jobs (each tensor's ``torch.save`` head and tail, a byte view of its m
 small neighbours gathered into one ``pwritev``) and the segment table's layout; about 45 ms of a
 10,000-tensor save at 2 ranks, measured here. A :class:`SaveMemo` keeps what a checkpointer's
 last saves planned; the next save takes it after one pass that finds every tensor as it was
-(:func:`fingerprints`), and plans anew otherwise.
+(:func:`fingerprints`, compared a part at a time, so that a save that misses stops early), and
+plans anew otherwise; a new plan's fingerprints are taken while its data file is flushed.
 
 What the pass compares, per leaf of the tree in order: its name and key path, its class, the
 sharding spec object (held, so its ``id`` stays its own) and the hash DTensor caches on it (which
@@ -77,20 +78,17 @@ def fingerprints(leaves: Leaves) -> tuple[list[tuple[Any, ...]], list[Any]] | No
 class KeptPlan:
     """One rank's plan of one save, as :class:`SaveMemo` keeps it between saves."""
 
-    __slots__ = ("fqns", "layout", "paths", "plan", "prints", "rank", "signature", "specs", "whole_at", "world")
+    __slots__ = ("fqns", "layout", "paths", "pending", "plan", "prints", "rank", "signature", "specs", "whole_at",
+                 "world")  # fmt: skip
 
-    def __init__(
-        self,
-        rank: int,
-        world: int,
-        fqns: list[str],
-        paths: list[tuple[str, ...]],
-        prints: list[tuple[Any, ...]],
-        specs: list[Any],
-        signature: str,
-    ) -> None:
+    def __init__(self, rank: int, world: int, signature: str, leaves: Leaves) -> None:
         self.rank, self.world, self.signature = rank, world, signature
-        self.fqns, self.paths, self.prints, self.specs = fqns, paths, prints, specs
+        self.pending: Leaves | None = leaves
+        """The save's leaves until :meth:`note` has taken their fingerprints (then None)."""
+        self.fqns: list[str] = []
+        self.paths: list[tuple[str, ...]] = []
+        self.prints: list[tuple[Any, ...]] = []
+        self.specs: list[Any] = []
         self.plan: _Plan | None = None
         """The write jobs of this rank's data file (filled once the first write with it succeeded)."""
         self.layout: Any = None
@@ -98,15 +96,23 @@ class KeptPlan:
         self.whole_at: tuple[int, ...] = ()
         """Where the pieces that are whole tensors are in the file (their checksums go to the shared index)."""
 
-    def matches(self, rank: int, world: int, fqns: list[str], paths: list[Any], prints: list[Any]) -> bool:
-        return (
-            self.rank == rank
-            and self.world == world
-            and len(self.prints) == len(prints)
-            and self.prints == prints
-            and self.fqns == fqns
-            and self.paths == paths
-        )
+    def note(self) -> bool:
+        """Take the fingerprints of the save's leaves (while its data file is flushed: the disk
+        is busy then, the processor mostly idle, and nothing changes the tensors during a save);
+        False when they cannot be kept."""
+        leaves, self.pending = self.pending, None
+        found = fingerprints(leaves) if leaves is not None else None
+        if found is None:
+            return False
+        self.prints, self.specs = found
+        self.fqns = [fqn for fqn, _, _ in leaves or ()]
+        self.paths = [path for _, path, _ in leaves or ()]
+        return True
+
+
+_PART = 1024
+"""Leaves compared per step, after a sample of them (see :meth:`SaveMemo.take`): a save that
+misses stops at the first part that differs instead of fingerprinting every leaf first."""
 
 
 class SaveMemo:
@@ -125,22 +131,46 @@ class SaveMemo:
         self.hits = 0
         self.misses = 0
 
-    def take(
-        self, rank: int, world: int, fqns: list[str], paths: list[Any], prints: list[tuple[Any, ...]]
-    ) -> KeptPlan | None:
+    def take(self, rank: int, world: int, leaves: Leaves) -> KeptPlan | None:
         """The kept plan for these leaves (removed from the memo), or None."""
+        n = len(leaves)
         with self._lock:
-            for i, kept in enumerate(self._kept):
-                if kept.matches(rank, world, fqns, paths, prints):
-                    del self._kept[i]
-                    self.hits += 1
-                    return kept
+            candidates = [k for k in self._kept if k.rank == rank and k.world == world and len(k.prints) == n]
+        found = None
+        # A sample of the leaves first: after a load every optimizer slot is a new tensor, and
+        # the async saves' buffers are other tensors than the live ones, so a miss is seen at once.
+        every = max(1, n // 128)
+        sample = fingerprints(leaves[::every]) if candidates else None
+        parts: dict[int, list[tuple[Any, ...]] | None] = {}
+        for kept in candidates:
+            if sample is None or sample[0] != kept.prints[::every]:
+                continue
+            for at in range(0, n, _PART):
+                if at not in parts:
+                    part = fingerprints(leaves[at : at + _PART])
+                    parts[at] = part[0] if part is not None else None
+                mine = leaves[at : at + _PART]
+                if (
+                    parts[at] is None
+                    or parts[at] != kept.prints[at : at + _PART]
+                    or [fqn for fqn, _, _ in mine] != kept.fqns[at : at + _PART]
+                    or [path for _, path, _ in mine] != kept.paths[at : at + _PART]
+                ):
+                    break
+            else:
+                found = kept
+                break
+        with self._lock:
+            if found is not None and any(k is found for k in self._kept):
+                self._kept = [k for k in self._kept if k is not found]
+                self.hits += 1
+                return found
             self.misses += 1
             return None
 
     def keep(self, kept: KeptPlan) -> None:
         """Keep a plan whose write succeeded, newest first (the oldest beyond two is dropped)."""
-        if kept.plan is None:
+        if kept.plan is None or not kept.prints:
             return
         with self._lock:
             self._kept = [kept, *(k for k in self._kept if k is not kept)][:_KEEP]

@@ -83,7 +83,7 @@ from .fastio import (
 )
 from .gcpause import paused_gc
 from .record import FileEntry
-from .save_memo import KeptPlan, SaveMemo, fingerprints
+from .save_memo import KeptPlan, SaveMemo
 from .state import SavedTensor
 
 __all__ = [
@@ -310,20 +310,15 @@ def plan_shard(tree: Mapping[str, Any], rank: int, world: int, memo: SaveMemo | 
     path cannot take the tree."""
     with paused_gc():
         leaves = _leaves(tree)
-        found = fingerprints(leaves) if memo is not None else None
-        fqns: list[str] = []
-        paths: list[tuple[str, ...]] = []
-        if memo is not None and found is not None:
-            fqns = [fqn for fqn, _, _ in leaves]
-            paths = [path for _, path, _ in leaves]
-            kept = memo.take(rank, world, fqns, paths, found[0])
+        if memo is not None:
+            kept = memo.take(rank, world, leaves)
             if kept is not None:
                 return ShardPlan([], kept.signature, kept)
         check_names(leaves)
         planned = _local_pieces(leaves, rank, world)
         if planned is None:
             return None
-        fresh = KeptPlan(rank, world, fqns, paths, found[0], found[1], planned[1]) if found is not None else None
+        fresh = KeptPlan(rank, world, planned[1], leaves) if memo is not None else None
         return ShardPlan(planned[0], planned[1], fresh)
 
 
@@ -498,13 +493,14 @@ def write_shard(
             whole = _whole_kinds(layout.kinds)
             whole_at = tuple(i for i, k in enumerate(column) if whole[k])
             whole_sums = tuple(data_sums[i] for i in whole_at)
+            # Before the table's own write, which waits for the disk behind the data file's flush.
+            if kept is not None and not copied and kept.note():
+                kept.layout, kept.whole_at = layout, whole_at
         made.append((layout, write_synced(table, encoded), whole_sums))
-        if kept is not None and not copied:
-            kept.layout, kept.whole_at = layout, whole_at
 
     entry, _ = _write_planned(os.path.join(model_dir, name), plan, threads, sink, write_table)
     layout, table_entry, whole_sums = made[0]
-    if kept is not None and not reused and not copied:
+    if kept is not None and not reused and kept.layout is not None:
         kept.plan = plan  # only now: a plan is kept once a write with it went through
     return {f"{MODEL_DIR}/{name}": entry, table_name(rank): table_entry}, layout, whole_sums
 
