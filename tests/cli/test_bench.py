@@ -84,6 +84,8 @@ def test_bench_at_two_ranks_compares_with_dcp(tmp_path: Path) -> None:
     med, per_byte = report["medians_s"], report["compare_state_bytes"] / report["state_bytes"]
     assert report["ratios"]["save_vs_few_tensors"] == med["many_save_s"] / med["few_save_s"] * per_byte
     assert report["ratios"]["load_vs_few_tensors"] == med["many_load_cold_s"] / med["few_load_cold_s"] * per_byte
+    again = med["many_save_again_s"] / med["few_save_again_s"] * per_byte
+    assert report["ratios"]["save_again_vs_few_tensors"] == again
     assert os.listdir(tmp_path) == []  # everything it wrote is gone
 
 

@@ -54,8 +54,9 @@ def add_parser(sub: Any) -> None:
         help="sharded benchmark: also measure the per-tensor cost. Before the rounds beside DCP, ckptkeeper alone "
         "saves and cold-loads the state and a second one of about the same bytes in about F tensors (fewer than "
         "--tensors), in turn; reported as save_vs_few_tensors and load_vs_few_tensors, the main state's time / the "
-        "F-tensor state's, per byte (e.g. --tensors 2500 --compare-tensors 10). The second state takes as much "
-        "host memory again",
+        "F-tensor state's, per byte (e.g. --tensors 2500 --compare-tensors 10), and save_again_vs_few_tensors for a "
+        "second save of the same tensors right after the first (each first save follows a load). The second state "
+        "takes as much host memory again",
     )
     p.add_argument(
         "--store",
