@@ -501,6 +501,10 @@ def test_saves_of_the_same_tensors_reuse_their_plans_and_hold_the_state_of_their
     for value in _ok(run_ranks(2, workers.saves_reusing_plans, str(tmp_path / "ck"), out=tmp_path / "o")):
         # Hits and misses after step 5, then after steps 6 and 7: the sync saves of steps 2 and 5
         # and the async save of step 4 reuse a plan; the first save after the load plans anew.
-        assert value["counts"] == [3, 2, 4, 3], value
+        # Rank 0 took both ranks' layouts from their tokens at steps 2, 4 and 5 (6 layouts); at
+        # step 7 it had lost them, asked both ranks again, and the checkpoint is still whole.
+        hits_misses = value["counts"][:2] + value["counts"][2:4]
+        assert hits_misses == [3, 2, 4, 3], value
+        assert value["counts"][4:] == ([6, 2] if value["rank"] == 0 else [0, 0]), value
         assert all(value["loaded"].values()) and len(value["loaded"]) == 7, value
         assert value["by_dcp"], value

@@ -614,8 +614,11 @@ def saves_reusing_plans(rank: int, folder: str) -> dict[str, Any]:
     counts = [ckpt._save_memo.hits, ckpt._save_memo.misses]
     ckpt.load(f"{folder}/step2", state)  # the optimizer's state is new tensors now
     save(6)
+    recalled = ckpt._save_memo.recalled  # rank 0: layouts named by token (steps 2, 4 and 5)
+    if rank == 0:
+        ckpt._save_memo._layouts.clear()  # rank 0 loses what it was sent: the ranks are asked again
     save(7)
-    counts += [ckpt._save_memo.hits, ckpt._save_memo.misses]
+    counts += [ckpt._save_memo.hits, ckpt._save_memo.misses, recalled, ckpt._save_memo.lost]
     loaded = {}
     for step, want in digests.items():
         other, other_opt = _sharded(seed=1)
@@ -627,4 +630,4 @@ def saves_reusing_plans(rank: int, folder: str) -> dict[str, Any]:
             if isinstance(m, TensorStorageMetadata)}  # fmt: skip
     dcp.load(read, checkpoint_id=f"{folder}/step5/model_and_optim", no_dist=True)
     by_dcp = set(read) == set(whole) and all(torch.equal(read[k], whole[k]) for k in whole)
-    return {"counts": counts, "loaded": loaded, "by_dcp": by_dcp}
+    return {"counts": counts, "loaded": loaded, "by_dcp": by_dcp, "rank": rank}

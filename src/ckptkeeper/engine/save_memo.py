@@ -25,6 +25,7 @@ kept: their copy dies with the save.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -78,8 +79,8 @@ def fingerprints(leaves: Leaves) -> tuple[list[tuple[Any, ...]], list[Any]] | No
 class KeptPlan:
     """One rank's plan of one save, as :class:`SaveMemo` keeps it between saves."""
 
-    __slots__ = ("fqns", "layout", "paths", "pending", "plan", "prints", "rank", "signature", "specs", "whole_at",
-                 "world")  # fmt: skip
+    __slots__ = ("fqns", "layout", "paths", "pending", "plan", "prints", "rank", "sent", "signature", "specs",
+                 "token", "whole_at", "world")  # fmt: skip
 
     def __init__(self, rank: int, world: int, signature: str, leaves: Leaves) -> None:
         self.rank, self.world, self.signature = rank, world, signature
@@ -95,6 +96,10 @@ class KeptPlan:
         """The segment table's layout (a :class:`~ckptkeeper.engine.sharded.ShardLayout`)."""
         self.whole_at: tuple[int, ...] = ()
         """Where the pieces that are whole tensors are in the file (their checksums go to the shared index)."""
+        self.token = secrets.token_hex(8)
+        """Names this plan's layout to rank 0, which keeps the layouts it was sent (see :meth:`SaveMemo.recall`)."""
+        self.sent = False
+        """Whether this layout went to rank 0 whole in an earlier save (later saves send the token alone)."""
 
     def note(self) -> bool:
         """Take the fingerprints of the save's leaves (while its data file is flushed: the disk
@@ -122,14 +127,19 @@ class SaveMemo:
     saves running at once (a synchronous save while a forgotten async one still writes) never
     share one, and gives it back once its data file is written (:meth:`keep`). A failed save
     gives nothing back: the next one plans anew. ``hits`` and ``misses`` count the saves that
-    did and did not find their plan.
+    did and did not find their plan. On rank 0 it also keeps the layouts every rank sent (see
+    :meth:`remember`), so that a rank saving with a reused plan sends its token instead.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: list[KeptPlan] = []
+        self._layouts: dict[int, list[tuple[str, Any]]] = {}  # on rank 0: (token, layout) per rank, newest first
         self.hits = 0
         self.misses = 0
+        self.recalled = 0
+        """On rank 0: layouts taken from a token alone; ``lost``: tokens it no longer had."""
+        self.lost = 0
 
     def take(self, rank: int, world: int, leaves: Leaves) -> KeptPlan | None:
         """The kept plan for these leaves (removed from the memo), or None."""
@@ -176,6 +186,29 @@ class SaveMemo:
             self._kept = [kept, *(k for k in self._kept if k is not kept)][:_KEEP]
 
     def clear(self) -> None:
-        """Drop every kept plan."""
+        """Drop every kept plan and every layout kept for rank 0."""
         with self._lock:
             self._kept.clear()
+            self._layouts.clear()
+
+    def remember(self, rank: int, token: str, layout: Any) -> None:
+        """On rank 0: keep the layout ``rank`` sent under ``token`` (a few per rank, newest first)."""
+        with self._lock:
+            kept = [(t, lay) for t, lay in self._layouts.get(rank, []) if t != token]
+            self._layouts[rank] = [(token, layout), *kept][:_LAYOUTS_PER_RANK]
+
+    def recall(self, rank: int, token: str) -> Any | None:
+        """On rank 0: the layout ``rank`` sent under ``token`` in an earlier save, or None."""
+        with self._lock:
+            for t, layout in self._layouts.get(rank, []):
+                if t == token:
+                    self.recalled += 1
+                    return layout
+            self.lost += 1
+            return None
+
+
+_LAYOUTS_PER_RANK = _KEEP
+"""Layouts rank 0 keeps per rank: each rank reuses at most its two kept plans, the last two it
+used, as rank 0 keeps the last two it was sent or named (a rank that sends a token rank 0 no
+longer has is asked for the layout itself, in one more exchange)."""
