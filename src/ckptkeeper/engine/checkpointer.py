@@ -264,6 +264,7 @@ class Checkpointer:
         try:
             self._runner.close()
         finally:
+            self._save_memo.clear()  # its plans hold sharding specs (and so device meshes)
             self.deleter.close()
 
     def _write(
