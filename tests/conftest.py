@@ -9,8 +9,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ckptkeeper.storage import MemoryStorage
+
+
+@pytest.fixture
+def mesh() -> Iterator[DeviceMesh]:
+    """A one-rank CPU device mesh in this process (a gloo group of one, made here unless one exists)."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        if own:
+            dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

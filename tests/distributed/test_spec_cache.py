@@ -4,28 +4,14 @@ another object or for a spec changed in place: a wrong box would place bytes at 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ckptkeeper.engine import sharded
 from ckptkeeper.engine.sharded import _BY_SPEC_ID, _region, local_pieces
-
-
-@pytest.fixture
-def mesh() -> Iterator[DeviceMesh]:
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        if own:
-            dist.destroy_process_group()
 
 
 def test_a_spec_changed_in_place_is_looked_at_again(mesh: DeviceMesh) -> None:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ckptkeeper.engine.fastio import _leaves
@@ -26,18 +25,6 @@ from ckptkeeper.engine.save_memo import SaveMemo, fingerprints
 from ckptkeeper.engine.sharded import plan_shard, shard_name, table_name, table_pieces, write_shard
 
 _BIG = 1 << 18  # float32 elements: a 1 MiB tensor, written alone (in parts) rather than in a run
-
-
-@pytest.fixture
-def mesh() -> Iterator[DeviceMesh]:
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        if own:
-            dist.destroy_process_group()
 
 
 def _tree(mesh: DeviceMesh | None = None) -> dict[str, Any]:
