@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,17 @@ def _tree(mesh: DeviceMesh | None = None) -> dict[str, Any]:
     return tree
 
 
-def _save(folder: Path, tree: dict[str, Any], memo: SaveMemo, world: int) -> dict[str, torch.Tensor]:
-    """Rank 0's save of ``tree`` through ``memo`` (at ``world`` 1 it writes every piece); each read back."""
+def _save(
+    folder: Path, tree: Any, memo: SaveMemo, world: int, between: Callable[[], Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """Rank 0's save of ``tree`` through ``memo`` (at ``world`` 1 it writes every piece); each read
+    back. ``between`` runs after planning, before writing."""
     model_dir = folder / "model_and_optim"
     model_dir.mkdir(parents=True)
     plan = plan_shard(tree, 0, world, memo)
     assert plan is not None
+    if between is not None:
+        between()
     write_shard(str(model_dir), plan.pieces, 0, 1, None, plan.kept)
     if plan.kept is not None:
         memo.keep(plan.kept)
@@ -209,3 +215,47 @@ def test_a_change_anywhere_in_a_large_state_is_seen(tmp_path: Path, which: int) 
     tree["p"][str(which)].data = torch.full((3,), -1.0)
     _same(_save(tmp_path / "c", tree, memo, 1), _expected(tree))
     assert memo.hits == 1
+
+
+class _Converted(Mapping[str, torch.Tensor]):
+    """A state whose tensors are made when asked for (a float32 copy of each bf16 weight, put in
+    the same place of an arena each time): nothing but the save holds them, and each save finds
+    its copies where the last save's were, so it reuses the last save's plan."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights = weights
+        self.arena = torch.empty(len(weights), *next(iter(weights.values())).shape)
+        self.made: list[weakref.ref[torch.Tensor]] = []
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        i = list(self.weights).index(key)
+        self.arena[i].copy_(self.weights[key].float())
+        copy = torch.frombuffer(self.arena[i].numpy().data, dtype=torch.float32).view(self.arena[i].shape)
+        self.made.append(weakref.ref(copy))
+        return copy
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def test_tensors_made_on_access_are_held_while_a_reused_plan_writes_them(tmp_path: Path) -> None:
+    # Found by an outside attack: a reused plan's byte views point at tensors that only the pass
+    # which compared them held; freed before the write (a state whose tensors are made on access),
+    # their memory could be reused, and the save wrote whatever was there then.
+    weights = {f"w{i}": torch.randn(64, 64).bfloat16() for i in range(8)}
+    state = _Converted(weights)
+    memo = SaveMemo()
+
+    def all_held() -> None:
+        assert all(ref() is not None for ref in state.made), "a tensor the plan writes from was freed"
+
+    for folder in "abc":
+        for w in weights.values():
+            w.add_(1)
+        state.made.clear()
+        got = _save(tmp_path / folder, {"model": state}, memo, 1, between=all_held)
+        _same(got, {f"model.{k}": w.float() for k, w in weights.items()})
+    assert memo.hits == 2

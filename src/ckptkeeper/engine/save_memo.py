@@ -16,8 +16,8 @@ DTensor drops when a field is set again), and of the tensor whose bytes are writ
 local shard): the address of its first byte, its shape, dtype, contiguity, lazy conjugate or
 negation bits, device and quantization. These are everything the plan is made from; a byte
 view in a kept plan is used only once the pass has found a live tensor of the same size at its
-address (the caller holds every tensor of the tree while the save runs), so the memo never holds
-a tensor itself. ``p.data = ...``, ``resize_``, ``set_``, a swapped local shard, a spec changed in
+address, and the save holds the tensors that pass found until it ends (a state may make its
+tensors when asked for), so the memo never holds a tensor itself. ``p.data = ...``, ``resize_``, ``set_``, a swapped local shard, a spec changed in
 place, a new optimizer state after a load: each changes something compared, and the save plans
 anew. Tensors whose save copies them first (a non-contiguous one, a lazy conjugate) are never
 kept: their copy dies with the save.

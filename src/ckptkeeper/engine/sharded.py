@@ -302,6 +302,9 @@ class ShardPlan(NamedTuple):
     """What every rank must share (see :func:`local_pieces`)."""
     kept: KeptPlan | None
     """The memo's plan for these tensors (its write plan filled when reused), or None without a memo."""
+    held: Leaves | None = None
+    """With a reused plan: the leaves whose memory its byte views point into, held until the save
+    ends (a state may make its tensors when asked for: nothing else would hold them)."""
 
 
 def plan_shard(tree: Mapping[str, Any], rank: int, world: int, memo: SaveMemo | None = None) -> ShardPlan | None:
@@ -313,7 +316,7 @@ def plan_shard(tree: Mapping[str, Any], rank: int, world: int, memo: SaveMemo | 
         if memo is not None:
             kept = memo.take(rank, world, leaves)
             if kept is not None:
-                return ShardPlan([], kept.signature, kept)
+                return ShardPlan([], kept.signature, kept, leaves)
         check_names(leaves)
         planned = _local_pieces(leaves, rank, world)
         if planned is None:
