@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ckptkeeper.engine.fastio import _leaves
 from ckptkeeper.engine.save_memo import SaveMemo, fingerprints
-from ckptkeeper.engine.sharded import plan_shard, shard_name, table_name, table_pieces, write_shard
+from ckptkeeper.engine.sharded import plan_shard, recheck_shard, shard_name, table_name, table_pieces, write_shard
 
 _BIG = 1 << 18  # float32 elements: a 1 MiB tensor, written alone (in parts) rather than in a run
 
@@ -56,6 +56,7 @@ def _save(
     assert plan is not None
     if between is not None:
         between()
+        plan = recheck_shard(plan, 0, world)  # as a save does after its on_stage hook
     write_shard(str(model_dir), plan.pieces, 0, 1, None, plan.kept)
     if plan.kept is not None:
         memo.keep(plan.kept)
@@ -259,3 +260,31 @@ def test_tensors_made_on_access_are_held_while_a_reused_plan_writes_them(tmp_pat
         got = _save(tmp_path / folder, {"model": state}, memo, 1, between=all_held)
         _same(got, {f"model.{k}": w.float() for k, w in weights.items()})
     assert memo.hits == 2
+
+
+def test_tensors_moved_by_a_hook_after_planning_are_planned_again(tmp_path: Path) -> None:
+    # Found by an outside attack: an on_stage hook at "writing tensors" runs after the plan was
+    # found; one that moved a tensor (same values, new memory) left the reused plan pointing at
+    # the freed memory, which the save then wrote (wrong values, or a crash).
+    tree = _tree()
+    memo = SaveMemo()
+    _save(tmp_path / "a", tree, memo, 1)
+    litter: list[torch.Tensor] = []
+
+    def hook() -> None:
+        w = tree["optim"]["state"]["w"]
+        w["exp_avg"].data = w["exp_avg"].data.clone()  # the old memory is freed...
+        litter.extend(torch.full((4, 3), 7.0) for _ in range(64))  # ...and taken by something else
+
+    got = _save(tmp_path / "b", tree, memo, 1, between=hook)
+    assert memo.hits == 1  # found before the hook, planned again after it
+    _same(got, _expected(tree))
+
+
+def test_a_hook_that_changes_replicated_tensors_fails_the_save(tmp_path: Path) -> None:
+    tree = _tree()
+    memo = SaveMemo()
+    _save(tmp_path / "a", tree, memo, 1)
+    ids = tree["model"]["ids"]
+    with pytest.raises(ValueError, match="changed during the save"):
+        _save(tmp_path / "b", tree, memo, 1, between=lambda: setattr(ids, "data", torch.arange(9)))

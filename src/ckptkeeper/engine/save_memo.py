@@ -17,10 +17,12 @@ local shard): the address of its first byte, its shape, dtype, contiguity, lazy 
 negation bits, device and quantization. These are everything the plan is made from; a byte
 view in a kept plan is used only once the pass has found a live tensor of the same size at its
 address, and the save holds the tensors that pass found until it ends (a state may make its
-tensors when asked for), so the memo never holds a tensor itself. ``p.data = ...``, ``resize_``, ``set_``, a swapped local shard, a spec changed in
-place, a new optimizer state after a load: each changes something compared, and the save plans
-anew. Tensors whose save copies them first (a non-contiguous one, a lazy conjugate) are never
-kept: their copy dies with the save.
+tensors when asked for), so the memo never holds a tensor itself. User code that runs between
+the pass and the write (an ``on_stage`` hook) gets the pass repeated after it (see
+:func:`~ckptkeeper.engine.sharded.recheck_shard`). ``p.data = ...``, ``resize_``, ``set_``, a
+swapped local shard, a spec changed in place, a new optimizer state after a load: each changes
+something compared, and the save plans anew. Tensors whose save copies them first (a
+non-contiguous one, a lazy conjugate) are never kept: their copy dies with the save.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ from .sharded import (
     index_bytes,
     metadata_bytes,
     plan_shard,
+    recheck_shard,
     shard_name,
     write_shard,
 )
@@ -232,7 +233,8 @@ def write_checkpoint(
         enter("writing tensors")
         if sharded:
             data_rel = f"{MODEL_DIR}/{shard_name(rank)}"
-            plan = shard[0]
+            # The hook above is user code that may have moved tensors since they were planned.
+            plan = shard[0] if settings.on_stage is None else recheck_shard(shard[0], rank, world)
             with translate_os_error(work):
                 shard_files, layout, whole_sums = write_shard(
                     os.path.join(work, MODEL_DIR), plan.pieces, rank, settings.io_threads, sink(data_rel), plan.kept

@@ -83,7 +83,7 @@ from .fastio import (
 )
 from .gcpause import paused_gc
 from .record import FileEntry
-from .save_memo import KeptPlan, SaveMemo
+from .save_memo import KeptPlan, SaveMemo, fingerprints
 from .state import SavedTensor
 
 __all__ = [
@@ -114,6 +114,7 @@ __all__ = [
     "plan_reads",
     "plan_shard",
     "read_pieces",
+    "recheck_shard",
     "segments_read",
     "shard_name",
     "table_name",
@@ -323,6 +324,25 @@ def plan_shard(tree: Mapping[str, Any], rank: int, world: int, memo: SaveMemo | 
             return None
         fresh = KeptPlan(rank, world, planned[1], leaves) if memo is not None else None
         return ShardPlan(planned[0], planned[1], fresh)
+
+
+def recheck_shard(plan: ShardPlan, rank: int, world: int) -> ShardPlan:
+    """``plan`` as it may be used after user code ran since it was made (an ``on_stage`` hook):
+    a reused plan whose tensors are no longer where they were is made anew from the same leaves
+    (its byte views would point at memory the tensors left, freed or reused). ValueError when the
+    new plan's signature differs from the one every rank agreed on (the hook changed replicated
+    tensors: their writers were chosen from the old list)."""
+    kept, held = plan.kept, plan.held
+    if kept is None or held is None:
+        return plan
+    with paused_gc():
+        found = fingerprints(held)
+        if found is not None and found[0] == kept.prints:
+            return plan
+        planned = _local_pieces(held, rank, world)
+    if planned is None or planned[1] != plan.signature:
+        raise ValueError("the state's tensors changed during the save (by an on_stage hook?); save again")
+    return ShardPlan(planned[0], planned[1], None)
 
 
 def _local_pieces(leaves: Leaves, rank: int, world: int) -> tuple[list[Piece], str] | None:
