@@ -508,3 +508,12 @@ def test_saves_of_the_same_tensors_reuse_their_plans_and_hold_the_state_of_their
         assert value["counts"][4:] == ([6, 2] if value["rank"] == 0 else [0, 0]), value
         assert all(value["loaded"].values()) and len(value["loaded"]) == 7, value
         assert value["by_dcp"], value
+
+
+def test_a_hook_that_recasts_the_model_during_a_reused_save_gets_a_whole_checkpoint(tmp_path: Path) -> None:
+    # Found by an outside attack: the save was planned again after the hook, but its layout still
+    # went to rank 0 by the old plan's token, so DCP's metadata and the shared index described
+    # float32 pieces in a file of float64 ones (verify failed; stock DCP could not read it).
+    out = run_ranks(2, workers.hook_casts_the_model_during_a_save, str(tmp_path / "ck"), out=tmp_path / "o")
+    for value in _ok(out):
+        assert value == {"verified": True, "loaded": True, "by_dcp": True}, value

@@ -631,3 +631,46 @@ def saves_reusing_plans(rank: int, folder: str) -> dict[str, Any]:
     dcp.load(read, checkpoint_id=f"{folder}/step5/model_and_optim", no_dist=True)
     by_dcp = set(read) == set(whole) and all(torch.equal(read[k], whole[k]) for k in whole)
     return {"counts": counts, "loaded": loaded, "by_dcp": by_dcp, "rank": rank}
+
+
+def hook_casts_the_model_during_a_save(rank: int, folder: str) -> dict[str, Any]:
+    """An on_stage hook that casts the FSDP2 model to float64 ("writing tensors") during a save
+    whose plan was reused and whose layout would go to rank 0 by token: the save is planned again
+    after the hook, and its checkpoint must hold the float64 state, whole (verify, ckptkeeper's
+    load, stock DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    model, opt = _sharded()
+    armed = [False]
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and armed[0]:
+            model.to(torch.float64)
+
+    ckpt = Checkpointer(on_stage=hook)
+    ckpt.save(folder, 1, TrainingState(model, opt))
+    ckpt.save(folder, 2, TrainingState(model, opt))  # the plan of step 1, its layout sent by token
+    armed[0] = True
+    ckpt.save(folder, 3, TrainingState(model, opt))
+    armed[0] = False
+    want = state_digest(model, opt)
+    whole = _full_state(model, opt)
+    verified = True
+    try:
+        ckpt.verify(f"{folder}/step3")
+    except Exception:
+        verified = False
+    other, other_opt = _sharded(seed=1)
+    other.to(torch.float64)
+    ckpt.load(f"{folder}/step3", TrainingState(other, other_opt))
+    ckpt.close()
+    meta = dcp.FileSystemReader(f"{folder}/step3/model_and_optim").read_metadata()
+    read = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}  # fmt: skip
+    dcp.load(read, checkpoint_id=f"{folder}/step3/model_and_optim", no_dist=True)
+    return {
+        "verified": verified,
+        "loaded": state_digest(other, other_opt) == want,
+        "by_dcp": set(read) == set(whole) and all(torch.equal(read[k], whole[k]) for k in whole),
+    }

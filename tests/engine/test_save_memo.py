@@ -52,7 +52,7 @@ def _save(
     back. ``between`` runs after planning, before writing."""
     model_dir = folder / "model_and_optim"
     model_dir.mkdir(parents=True)
-    plan = plan_shard(tree, 0, world, memo)
+    plan = plan_shard(tree, 0, world, memo, eager=between is not None)  # as a save with an on_stage hook
     assert plan is not None
     if between is not None:
         between()
@@ -288,3 +288,22 @@ def test_a_hook_that_changes_replicated_tensors_fails_the_save(tmp_path: Path) -
     ids = tree["model"]["ids"]
     with pytest.raises(ValueError, match="changed during the save"):
         _save(tmp_path / "b", tree, memo, 1, between=lambda: setattr(ids, "data", torch.arange(9)))
+
+
+def test_a_new_plan_made_before_a_hook_moved_a_tensor_is_not_kept(tmp_path: Path, mesh: DeviceMesh) -> None:
+    # Found by an outside attack: a save that planned anew, with a hook that then gave a DTensor
+    # another local shard (FSDP2's model.to() does), wrote the old shard (its piece holds it) but
+    # fingerprinted the new one; the kept plan's views were of the old, freed after the save, and
+    # the next save, finding the new shard where the fingerprints said, wrote the freed memory.
+    tree = _tree(mesh)
+    d = tree["model"]["d"]
+    memo = SaveMemo()
+    litter: list[torch.Tensor] = []
+
+    def move() -> None:
+        d._local_tensor = d._local_tensor.clone()
+
+    _same(_save(tmp_path / "a", tree, memo, 1, between=move), _expected(tree))
+    litter.extend(torch.full((5, 2), 7.0) for _ in range(64))  # takes the old shard's memory
+    _same(_save(tmp_path / "b", tree, memo, 1), _expected(tree))
+    assert memo.hits == 0

@@ -107,8 +107,10 @@ class KeptPlan:
         """Take the fingerprints of the save's leaves (while its data file is flushed: the disk
         is busy then, the processor mostly idle, and nothing changes the tensors during a save);
         False when they cannot be kept."""
+        if self.pending is None:
+            return bool(self.prints)  # taken already (when the plan was made: see plan_shard's eager)
         leaves, self.pending = self.pending, None
-        found = fingerprints(leaves) if leaves is not None else None
+        found = fingerprints(leaves)
         if found is None:
             return False
         self.prints, self.specs = found

@@ -215,7 +215,7 @@ def write_checkpoint(
             commit.prepare(final)
         if world == 1 or settings.writer != "auto":
             return None
-        found = plan_shard(tensors, rank, world, settings.memo)
+        found = plan_shard(tensors, rank, world, settings.memo, eager=settings.on_stage is not None)
         if found is None:
             return None
         shard.append(found)
@@ -233,8 +233,11 @@ def write_checkpoint(
         enter("writing tensors")
         if sharded:
             data_rel = f"{MODEL_DIR}/{shard_name(rank)}"
-            # The hook above is user code that may have moved tensors since they were planned.
-            plan = shard[0] if settings.on_stage is None else recheck_shard(shard[0], rank, world)
+            # The hook above is user code that may have moved tensors since they were planned
+            # (what the layout exchange below sends depends on the plan taken here too).
+            if settings.on_stage is not None:
+                shard[0] = recheck_shard(shard[0], rank, world)
+            plan = shard[0]
             with translate_os_error(work):
                 shard_files, layout, whole_sums = write_shard(
                     os.path.join(work, MODEL_DIR), plan.pieces, rank, settings.io_threads, sink(data_rel), plan.kept

@@ -308,10 +308,14 @@ class ShardPlan(NamedTuple):
     ends (a state may make its tensors when asked for: nothing else would hold them)."""
 
 
-def plan_shard(tree: Mapping[str, Any], rank: int, world: int, memo: SaveMemo | None = None) -> ShardPlan | None:
+def plan_shard(
+    tree: Mapping[str, Any], rank: int, world: int, memo: SaveMemo | None = None, eager: bool = False
+) -> ShardPlan | None:
     """:func:`local_pieces`, through ``memo``: the plan a save of the same tensors made last time,
     when every tensor is found as it was (see :mod:`~ckptkeeper.engine.save_memo`); None when this
-    path cannot take the tree."""
+    path cannot take the tree. ``eager``: user code will run before the write (an ``on_stage``
+    hook), so a new plan's fingerprints are taken now, from the tensors it is made from, and the
+    leaves are held for :func:`recheck_shard`."""
     with paused_gc():
         leaves = _leaves(tree)
         if memo is not None:
@@ -323,15 +327,18 @@ def plan_shard(tree: Mapping[str, Any], rank: int, world: int, memo: SaveMemo | 
         if planned is None:
             return None
         fresh = KeptPlan(rank, world, planned[1], leaves) if memo is not None else None
-        return ShardPlan(planned[0], planned[1], fresh)
+        if fresh is not None and eager and not fresh.note():
+            fresh = None
+        return ShardPlan(planned[0], planned[1], fresh, leaves if eager else None)
 
 
 def recheck_shard(plan: ShardPlan, rank: int, world: int) -> ShardPlan:
     """``plan`` as it may be used after user code ran since it was made (an ``on_stage`` hook):
     a reused plan whose tensors are no longer where they were is made anew from the same leaves
-    (its byte views would point at memory the tensors left, freed or reused). ValueError when the
-    new plan's signature differs from the one every rank agreed on (the hook changed replicated
-    tensors: their writers were chosen from the old list)."""
+    (its byte views would point at memory the tensors left, freed or reused), and a new plan made
+    before such a change is written but not kept. ValueError when a plan made anew has another
+    signature than the one every rank agreed on (the hook changed replicated tensors: their
+    writers were chosen from the old list)."""
     kept, held = plan.kept, plan.held
     if kept is None or held is None:
         return plan
@@ -339,6 +346,10 @@ def recheck_shard(plan: ShardPlan, rank: int, world: int) -> ShardPlan:
         found = fingerprints(held)
         if found is not None and found[0] == kept.prints:
             return plan
+        if kept.plan is None:
+            # A new plan: its pieces hold the tensors it was made from, and are written as they
+            # were; it is not kept (its views would be of tensors the leaves no longer hold).
+            return ShardPlan(plan.pieces, plan.signature, None)
         planned = _local_pieces(held, rank, world)
     if planned is None or planned[1] != plan.signature:
         raise ValueError("the state's tensors changed during the save (by an on_stage hook?); save again")
