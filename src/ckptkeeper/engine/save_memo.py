@@ -104,8 +104,9 @@ class KeptPlan:
         """Whether this layout went to rank 0 whole in an earlier save (later saves send the token alone)."""
 
     def note(self) -> bool:
-        """Take the fingerprints of the save's leaves (while its data file is flushed: the disk
-        is busy then, the processor mostly idle, and nothing changes the tensors during a save);
+        """Take the fingerprints of the save's leaves: while its data file is flushed (the disk is
+        busy then, the processor mostly idle), since without an ``on_stage`` hook no user code runs
+        between planning and then; with one, when the plan is made (``plan_shard``'s ``eager``).
         False when they cannot be kept."""
         if self.pending is None:
             return bool(self.prints)  # taken already (when the plan was made: see plan_shard's eager)
@@ -114,8 +115,8 @@ class KeptPlan:
         if found is None:
             return False
         self.prints, self.specs = found
-        self.fqns = [fqn for fqn, _, _ in leaves or ()]
-        self.paths = [path for _, path, _ in leaves or ()]
+        self.fqns = [fqn for fqn, _, _ in leaves]
+        self.paths = [path for _, path, _ in leaves]
         return True
 
 
