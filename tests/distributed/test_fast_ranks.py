@@ -517,3 +517,15 @@ def test_a_hook_that_recasts_the_model_during_a_reused_save_gets_a_whole_checkpo
     out = run_ranks(2, workers.hook_casts_the_model_during_a_save, str(tmp_path / "ck"), out=tmp_path / "o")
     for value in _ok(out):
         assert value == {"verified": True, "loaded": True, "by_dcp": True}, value
+
+
+def test_a_load_in_one_ranks_sync_save_hook_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    # Found by an outside attack: load() from a synchronous save's on_stage hook on one rank went
+    # through there, and the other rank waited in the save's exchange until the process group's
+    # timeout. Refused before anything changes, the error reaches every rank together.
+    out = run_ranks(2, workers.load_inside_a_sync_save_on_one_rank, str(tmp_path / "ck"), out=tmp_path / "o",
+                    timeout=120)  # fmt: skip
+    values = _ok(out)
+    assert "Checkpointer.load()" in values[1]["error"] and "inside a synchronous save" in values[1]["error"], values
+    for value in values:
+        assert value["error"] and value["unchanged"] and value["steps"] == [1, 3], value

@@ -674,3 +674,35 @@ def hook_casts_the_model_during_a_save(rank: int, folder: str) -> dict[str, Any]
         "loaded": state_digest(other, other_opt) == want,
         "by_dcp": set(read) == set(whole) and all(torch.equal(read[k], whole[k]) for k in whole),
     }
+
+
+def load_inside_a_sync_save_on_one_rank(rank: int, folder: str) -> dict[str, Any]:
+    """Rank 1's on_stage hook calls load() during a synchronous save; rank 0's does nothing. Both
+    ranks must get the save's error (not wait for each other), with nothing committed or loaded."""
+    from ckptkeeper import CheckpointSaveError
+
+    model, opt = _sharded()
+    box: list[Checkpointer] = []
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name == "writing tensors" and stage.step == 2 and rank == 1:
+            box[0].load(f"{folder}/step1", TrainingState(model, opt))
+
+    ckpt = Checkpointer(on_stage=hook)
+    box.append(ckpt)
+    ckpt.save(folder, 1, TrainingState(model, opt))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    before = state_digest(model, opt)
+    error = ""
+    try:
+        ckpt.save(folder, 2, TrainingState(model, opt))
+    except CheckpointSaveError as exc:
+        error = str(exc)
+    unchanged = state_digest(model, opt) == before
+    ckpt.on_stage = None
+    ckpt.save(folder, 3, TrainingState(model, opt))
+    steps = [s for s, _ in ckpt.find_checkpoints(folder)]
+    ckpt.close()
+    return {"error": error, "unchanged": unchanged, "steps": steps}

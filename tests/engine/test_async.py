@@ -597,6 +597,56 @@ def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(
     ckpt.close()
 
 
+@pytest.mark.parametrize("call", ["load", "save", "save_async", "close"])
+def test_a_sync_save_hook_that_loads_or_saves_gets_an_error_and_changes_nothing(tmp_path: Path, call: str) -> None:
+    # Found by an outside attack: a synchronous save's hook runs on the training thread, where
+    # load() went through. It put the step-1 state back under the save, which then committed a
+    # mix (parameters read after the load, optimizer slots captured before it) that passed
+    # verify; at several ranks, a load on one rank only waited for the others until the
+    # process group's timeout. A nested save or close() there interleaved with the save too.
+    st = _state()
+    box: list[Checkpointer] = []
+    seen: list[BaseException] = []
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name != "writing tensors" or stage.step != 2:
+            return
+        ck = box[0]
+        try:
+            if call == "load":
+                ck.load(str(tmp_path / "step1"), st)
+            elif call == "save_async":
+                ck.save_async(str(tmp_path), 3, st)
+            elif call == "save":
+                ck.save(str(tmp_path), 3, st)
+            else:
+                ck.close()
+        except BaseException as exc:
+            seen.append(exc)
+            raise
+
+    ckpt = Checkpointer(on_stage=hook)
+    box.append(ckpt)
+    ckpt.save(str(tmp_path), 1, st)
+    with torch.no_grad():
+        for p in st.model.parameters():
+            p.add_(1.0)  # step 2's state differs from step 1's
+    before = state_digest(st.model, st.optimizer)
+    with pytest.raises(CheckpointSaveError, match=r"inside a synchronous save"):
+        ckpt.save(str(tmp_path), 2, st)
+    assert len(seen) == 1 and isinstance(seen[0], ConfigurationError), seen
+    assert "on_stage" in str(seen[0]) and f"Checkpointer.{call}()" in str(seen[0]), seen
+    assert state_digest(st.model, st.optimizer) == before  # nothing was loaded into it
+    assert not (tmp_path / "step2").exists() and not (tmp_path / "step3").exists()
+    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [1]
+    ckpt.wait()  # a sync save's hook may wait: nothing is in flight
+    ckpt.on_stage = None
+    ckpt.save(str(tmp_path), 2, st)  # and saving goes on
+    ckpt.save_async(str(tmp_path), 3, st)[1].result()
+    ckpt.close()
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path))] == [1, 2, 3]
+
+
 def test_a_hook_may_collect_a_save_that_has_finished(tmp_path: Path) -> None:
     # Only a wait that would block is refused inside a save: an earlier save's finished future is
     # collected as anywhere else.

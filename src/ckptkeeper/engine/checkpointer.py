@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -127,6 +128,8 @@ class Checkpointer:
         # Off only in the benchmark, to measure what the load's backup costs.
         self._rollback_loads = True
         self._runner: AsyncRunner[SaveResult] = AsyncRunner()
+        # ``depth`` > 0 on a thread while it runs one of this checkpointer's synchronous saves.
+        self._sync_saving = threading.local()
 
     # ------------------------------------------------------------------ saving
 
@@ -146,15 +149,21 @@ class Checkpointer:
         (``keep_best``) and ``ckptkeeper inspect`` read them.
         """
         t0 = time.perf_counter()
+        self._refuse_in_sync_save("Checkpointer.save()")
         checked = checked_metrics(step, metrics)
         # Refused only where it would block (inside the save in flight): a synchronous save uses
         # no writer thread, so a done-callback may make one.
         self._runner.wait("Checkpointer.save()")
-        # The caller waits for the whole save: the collector's pauses cost it nothing here.
-        with paused_gc():
-            tensors, meta = capture_to_write(state)
-            payload = train_payload(step, train_state, meta)
-            result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked)
+        here = self._sync_saving
+        here.depth = getattr(here, "depth", 0) + 1
+        try:
+            # The caller waits for the whole save: the collector's pauses cost it nothing here.
+            with paused_gc():
+                tensors, meta = capture_to_write(state)
+                payload = train_payload(step, train_state, meta)
+                result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked)
+        finally:
+            here.depth -= 1
         emit_save(result, is_async=False)
         return result
 
@@ -176,6 +185,7 @@ class Checkpointer:
         future, naming the step and file.
         """
         self._runner.refuse_inside("Checkpointer.save_async()")
+        self._refuse_in_sync_save("Checkpointer.save_async()")
         t0 = time.perf_counter()
         checked = checked_metrics(step, metrics)
         self.wait()
@@ -236,8 +246,23 @@ class Checkpointer:
     def refuse_inside_save(self, what: str) -> None:
         """Raise :class:`ConfigurationError` when called from inside one of this checkpointer's
         background saves (an ``on_stage`` hook on the writer thread), where ``what`` would wait
-        for that save to end, for ever. Wrappers (the manager) call it before changing anything."""
+        for that save to end, for ever, or from inside one of its synchronous saves (see
+        :meth:`_refuse_in_sync_save`). Wrappers (the manager) call it before changing anything."""
         self._runner.refuse_inside(what)
+        self._refuse_in_sync_save(what)
+
+    def _refuse_in_sync_save(self, what: str) -> None:
+        # A synchronous save's on_stage hook runs on the caller's thread, where nothing waits for
+        # the save, but a load there rewrote the state under the save (which then committed a mix
+        # of both that passed verify), a load on one rank only left the others waiting in the
+        # save's exchange until the process group's timeout, and a nested save or close()
+        # interleaved with the save (all found by an outside attack): refused before they change
+        # anything, the save fails with the error on every rank together.
+        if getattr(self._sync_saving, "depth", 0):
+            raise ConfigurationError(
+                f"{what} was called inside a synchronous save of this checkpointer (from an on_stage hook?), "
+                "which is still reading the state it saves; call it from the training code"
+            )
 
     def wait_for(self, fut: Future[SaveResult]) -> SaveResult | None:
         """Wait for one background save (a future :meth:`save_async` returned); its result.
@@ -261,6 +286,7 @@ class Checkpointer:
         A failed save is re-raised; failed deletions were logged (see :meth:`wait_for_removals`).
         """
         self._runner.refuse_inside("Checkpointer.close()")  # before anything is closed
+        self._refuse_in_sync_save("Checkpointer.close()")
         try:
             self._runner.close()
         finally:
@@ -331,6 +357,7 @@ class Checkpointer:
         tensor is touched.
         """
         self._runner.refuse_inside("Checkpointer.load()")
+        self._refuse_in_sync_save("Checkpointer.load()")
         # The caller waits for the whole load (see gcpause for why the collector is paused).
         with paused_gc():
             return loading.load(self, path, state, check_train_state)

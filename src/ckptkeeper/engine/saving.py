@@ -100,10 +100,11 @@ class SaveStage:
     ``on_stage`` is called on every rank at the start of each stage, in the thread doing the save
     (the background writer for async saves). Whatever it raises is handled exactly like an I/O
     error at that point of the save (the checkpoint stays invisible, the error names the step);
-    it may also block or sleep to hold a save in flight, but not wait for the save it runs in:
-    the checkpointer's (and its manager's) calls that would wait raise
-    :class:`~ckptkeeper.errors.ConfigurationError` there before changing anything (the save then
-    fails with it) instead of waiting for ever. Stages, in order: ``"preparing"``,
+    it may also block or sleep to hold a save in flight, but not wait for the save it runs in nor
+    change the state it saves (the checkpoint would mix both): the checkpointer's (and its
+    manager's) calls that would wait, or load, raise :class:`~ckptkeeper.errors.ConfigurationError`
+    there before changing anything (the save then fails with it, on every rank) instead of
+    waiting for ever. Stages, in order: ``"preparing"``,
     ``"writing tensors"``, ``"writing trainer state"``, ``"uploading"`` (object stores only) and
     ``"publishing"`` (rank 0 only).
     """
