@@ -529,3 +529,15 @@ def test_a_load_in_one_ranks_sync_save_hook_fails_the_save_on_every_rank(tmp_pat
     assert "Checkpointer.load()" in values[1]["error"] and "inside a synchronous save" in values[1]["error"], values
     for value in values:
         assert value["error"] and value["unchanged"] and value["steps"] == [1, 3], value
+
+
+@pytest.mark.parametrize("how", ["sync", "async", "load"])
+def test_a_shard_whose_memory_was_shrunk_on_one_rank_fails_every_rank(tmp_path: Path, how: str) -> None:
+    # A local shard whose storage was resized under it (as FSDP2 does to unsharded parameters)
+    # was written from past its memory's end (or read into it), here after a save whose plan the
+    # next one would have reused.
+    out = run_ranks(2, workers.shrunk_shard_on_one_rank, str(tmp_path / "ck"), how, out=tmp_path / "o", timeout=120)
+    values = _ok(out)
+    assert "0.weight" in values[1]["error"] and "storage" in values[1]["error"], values
+    for value in values:
+        assert value["error"] and value["untouched"] and value["steps"] == [1, 2], value

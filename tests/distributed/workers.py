@@ -706,3 +706,35 @@ def load_inside_a_sync_save_on_one_rank(rank: int, folder: str) -> dict[str, Any
     steps = [s for s, _ in ckpt.find_checkpoints(folder)]
     ckpt.close()
     return {"error": error, "unchanged": unchanged, "steps": steps}
+
+
+def shrunk_shard_on_one_rank(rank: int, folder: str, how: str) -> dict[str, Any]:
+    """Rank 1 shrinks the storage of its local shard of one FSDP2 parameter to half after two
+    saves (the second reused the first's plan), then saves (``sync`` or ``async``) or loads
+    (``load``, into a model whose shard is shrunk the same way). Every rank must get an error
+    (rank 1's naming the parameter), with nothing committed, loaded or crashed."""
+    from ckptkeeper import CkptkeeperError
+
+    model, opt = _sharded()
+    st = TrainingState(model, opt)
+    ckpt = Checkpointer()
+    ckpt.save(folder, 1, st)
+    ckpt.save(folder, 2, st)
+    target = model if how != "load" else _sharded(seed=1)[0]
+    local = target[0].weight._local_tensor
+    if rank == 1:
+        local.untyped_storage().resize_(local.untyped_storage().nbytes() // 2)
+    before = state_digest(target[2])
+    error = ""
+    try:
+        if how == "sync":
+            ckpt.save(folder, 3, st)
+        elif how == "async":
+            ckpt.save_async(folder, 3, st)[1].result()
+        else:
+            ckpt.load(f"{folder}/step2", TrainingState(target))
+    except CkptkeeperError as exc:
+        error = str(exc)
+    steps = [s for s, _ in ckpt.find_checkpoints(folder)]
+    ckpt.close()
+    return {"error": error, "steps": steps, "untouched": state_digest(target[2]) == before}

@@ -149,6 +149,41 @@ def test_a_tensor_changed_between_saves_is_planned_anew_and_written_as_it_is_now
     _same(_save(tmp_path / "d", tree, memo, 1), _expected(tree))
 
 
+def test_a_tensor_over_a_shorter_storage_at_the_same_address_is_not_taken_for_the_same_tensor(
+    tmp_path: Path,
+) -> None:
+    # A storage resized to 0 and then to less (as FSDP2 resizes parameters' storages) may come
+    # back at its old address, depending on the allocator: the kept plan would then write the
+    # tensor's whole length from a shorter block. Made here deterministically: the same address,
+    # shape and dtype over a storage half as long. Its fingerprint must differ, so the save
+    # plans anew (and a storage shorter than its tensor is refused by name when planning).
+    import ctypes
+
+    from ckptkeeper import ConfigurationError
+
+    tree = _tree()
+    whole = torch.randn(2048)
+    tree["model"]["mid"] = whole[:1024]  # its storage holds 8 KiB
+    memo = SaveMemo()
+    _save(tmp_path / "a", tree, memo, 1)
+    _save(tmp_path / "b", tree, memo, 1)
+    assert (memo.hits, memo.misses) == (1, 1)
+    block = (ctypes.c_ubyte * 4096).from_address(whole.data_ptr())
+    over = torch.frombuffer(block, dtype=torch.float32)  # the same first byte, a 4 KiB storage
+    assert over.data_ptr() == whole.data_ptr() and over.shape == (1024,)
+    before = fingerprints(_leaves(tree))
+    tree["model"]["mid"] = over
+    assert fingerprints(_leaves(tree)) != before
+    _same(_save(tmp_path / "c", tree, memo, 1), _expected(tree))
+    assert memo.hits == 1
+    short = torch.randn(1024)
+    short.untyped_storage().resize_(1024)  # resized under the tensor, at whatever address
+    tree["model"]["mid"] = short
+    with pytest.raises(ConfigurationError, match=r"model\.mid reaches 4096 bytes into its storage, which holds 1024"):
+        _save(tmp_path / "d", tree, memo, 1)
+    del block
+
+
 def test_a_tensor_that_must_be_copied_first_is_never_kept(tmp_path: Path) -> None:
     tree = _tree()
     tree["model"]["w"].data = tree["model"]["w"].data.t()  # written from a compact copy, every save

@@ -43,7 +43,7 @@ from .saving import (
     checked_metrics,
     emit_save,
     final_path,
-    tensor_bytes,
+    staging_need,
     train_payload,
     write_checkpoint,
 )
@@ -198,11 +198,20 @@ class Checkpointer:
             self.process_group = D.new_cpu_group()
         with paused_gc():
             tensors, meta = capture_to_write(state)
-            need = tensor_bytes(tensors)
+            need, short = staging_need(tensors)
         over_here = self.staging_budget_bytes is not None and need > self.staging_budget_bytes
         # All ranks take the same way (error, sync or async), or some would wait in a save the
         # others never start.
-        if not D.all_agree(not over_here, group=self.process_group):
+        if not D.all_agree(not over_here and short is None, group=self.process_group):
+            # Every rank is here: a tensor whose memory was shrunk under it, on any rank, fails
+            # the save everywhere (staging would read past its end), before the budget's choice.
+            if not D.all_agree(short is None, group=self.process_group):
+                if short is not None:
+                    raise short
+                raise ConfigurationError(
+                    f"step {step}: another rank holds a tensor whose storage was resized under it (that rank's "
+                    "error names it); nothing was saved"
+                )
             budget = self.staging_budget_bytes or 0
             msg = (
                 f"step {step}: an async save needs {need / 2**20:.1f} MiB of staging memory on some rank but the "

@@ -53,7 +53,7 @@ from ..storage.base import Upload
 from ..storage.local import open_regular
 from .gcpause import paused_gc
 from .record import FileEntry, new_hasher
-from .state import SavedTensor
+from .state import SavedTensor, memory_shortfall, short_memory_error
 
 __all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "parse_layout", "read_fast", "write_fast"]
 
@@ -421,14 +421,19 @@ def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
     return entry
 
 
-def exact(t: torch.Tensor) -> torch.Tensor:
+def exact(t: torch.Tensor, name: str = "a tensor") -> torch.Tensor:
     """``t`` itself when its memory holds its values one after another, else a compact copy.
 
     A contiguous view into a larger buffer (an FSDP2 shard of a padded parameter, say) is taken as
     it is: only its own bytes are written, under the head and tail of a compact tensor of its shape
     (:func:`_skeleton`), which is what ``torch.save`` of a compact copy would write. Copying it
     first cost a memory copy per such tensor, and asking for its storage a Python object per tensor.
+    A tensor whose memory is shorter than its shape (:func:`memory_shortfall`) raises
+    :class:`ConfigurationError` naming it (``name``).
     """
+    short = memory_shortfall(t)
+    if short is not None:
+        raise short_memory_error(name, *short)
     if t.requires_grad:
         t = t.detach()  # only its bytes are read; a detach per tensor is not free, so only when needed
     if t.is_conj() or t.is_neg():
@@ -574,7 +579,7 @@ def write_fast(
     """
     os.makedirs(model_dir, exist_ok=True)
     with paused_gc():
-        leaves = [(fqn, path, exact(value)) for fqn, path, value in walk(tree)]
+        leaves = [(fqn, path, exact(value, fqn)) for fqn, path, value in walk(tree)]
         check_names(leaves)
     data_path = os.path.join(model_dir, DATA_FILE)
     entry, segments, starts = write_items(data_path, [(f, t) for f, _, t in leaves], threads, sink)

@@ -13,8 +13,8 @@ plans anew otherwise; a new plan's fingerprints are taken while its data file is
 What the pass compares, per leaf of the tree in order: its name and key path, its class, the
 sharding spec object (held, so its ``id`` stays its own) and the hash DTensor caches on it (which
 DTensor drops when a field is set again), and of the tensor whose bytes are written (a DTensor's
-local shard): the address of its first byte, its shape, dtype, contiguity, lazy conjugate or
-negation bits, device and quantization. These are everything the plan is made from; a byte
+local shard): the address of its first byte, its storage's size, its shape, dtype, contiguity,
+lazy conjugate or negation bits, device and quantization. These are everything the plan is made from; a byte
 view in a kept plan is used only once the pass has found a live tensor of the same size at its
 address, and the save holds the tensors that pass found until it ends (a state may make its
 tensors when asked for), so the memo never holds a tensor itself. User code that runs between
@@ -71,8 +71,9 @@ def fingerprints(leaves: Leaves) -> tuple[list[tuple[Any, ...]], list[Any]] | No
                 t, key, h = v, cls, None
             else:
                 return None
-            append((key, h, t.data_ptr(), t.shape, t.dtype, t.is_contiguous(), t.is_conj(), t.is_neg(), t.is_cpu,
-                    t.is_quantized))  # fmt: skip
+            # The storage's size too: one resized to 0 and then to less may come back at its old address.
+            append((key, h, t.data_ptr(), t.untyped_storage().nbytes(), t.shape, t.dtype, t.is_contiguous(),
+                    t.is_conj(), t.is_neg(), t.is_cpu, t.is_quantized))  # fmt: skip
     except RuntimeError:  # a tensor without plain memory (sparse, say): its data_ptr() raises
         return None
     return prints, specs

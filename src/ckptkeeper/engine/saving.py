@@ -63,7 +63,7 @@ from .sharded import (
     write_shard,
 )
 from .staging import local_shard
-from .state import detached_tree, flatten_tensors
+from .state import detached_tree, flatten_tensors, memory_shortfall, short_memory_error
 
 __all__ = ["SaveResult", "SaveSettings", "SaveStage", "final_path", "quiet_dcp", "tensor_bytes", "write_checkpoint"]
 
@@ -481,6 +481,22 @@ def _free_bytes(path: str) -> int:
     except OSError:
         return 1 << 62
     return st.f_bavail * st.f_frsize
+
+
+def staging_need(tree: Mapping[str, Any]) -> tuple[int, ConfigurationError | None]:
+    """:func:`tensor_bytes` of ``tree``, and the error for its first tensor whose memory is shorter
+    than its shape (:func:`~ckptkeeper.engine.state.memory_shortfall`; None when there is none),
+    in one pass: staging copies each tensor's memory without asking how long it is."""
+    total = 0
+    problem: ConfigurationError | None = None
+    for path, t in flatten_tensors(tree):
+        local = local_shard(t)
+        total += local.numel() * local.element_size()
+        if problem is None:
+            short = memory_shortfall(local)
+            if short is not None:
+                problem = short_memory_error(path, *short)
+    return total, problem
 
 
 def tensor_bytes(tree: Mapping[str, Any]) -> int:

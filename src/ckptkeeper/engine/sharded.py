@@ -495,7 +495,7 @@ def write_shard(
         # here too: its pauses are kept to the table building, never around the writes).
         with paused_gc():
             mine = [p for p in pieces if p.writer]
-            tensors = [exact(p.tensor) for p in mine]
+            tensors = [exact(p.tensor, p.fqn) for p in mine]
             plan, reused = _plan_writes(tensors), False
             # A copy (of a non-contiguous tensor, say) lives only as long as this save.
             copied = any(t.data_ptr() != p.tensor.data_ptr() and t.numel() for t, p in zip(tensors, mine, strict=True))

@@ -64,6 +64,36 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+def memory_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(bytes t reaches into its storage, bytes the storage holds)`` when the first is more:
+    its storage was resized under it (as FSDP2 does to the parameters it has unsharded), so its
+    memory ends before its values do. None for a tensor whose memory is all there.
+
+    Reading such a tensor's memory (a raw write, ``copy_``, ``contiguous()``) crashed the process
+    (a storage resized to 0) or read whatever lay past its end, which the checksums then vouched
+    for; writing into it (a load) corrupted the heap. Torch checks this only where a view is made.
+    """
+    n = t.numel()
+    if n == 0 or t.is_meta:
+        return None
+    if t.is_contiguous():
+        last = t.storage_offset() + n
+    else:
+        last = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    need = int(last) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    return (need, have) if need > have else None
+
+
+def short_memory_error(name: str, need: int, have: int) -> ConfigurationError:
+    """The error for a tensor :func:`memory_shortfall` found short, naming it."""
+    return ConfigurationError(
+        f"{name} reaches {need} bytes into its storage, which holds {have}: the storage was resized under "
+        "the tensor (as FSDP2 does to the parameters it has unsharded, or untyped_storage().resize_()); "
+        "save or load with every tensor's memory in place (with FSDP2, outside forward and backward)"
+    )
+
+
 def to_json_tree(value: Any, where: str = "state") -> Any:
     """``value`` as plain JSON types (tuples become lists); ConfigurationError names what cannot be stored."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -909,6 +939,9 @@ class TrainingState:
             now_t, now_m = self.capture()
             for path, t in _leaves(now_t):
                 fit.take(".".join(path), t)
+                found = memory_shortfall(t._local_tensor if isinstance(t, DTensor) else t)
+                if found is not None:
+                    raise short_memory_error(".".join(path), *found)
             fit.raise_if_strict(True)
             apply = dict(now_m if saved_meta is None else saved_meta)
             back = {"tensors": now_t, "meta": now_m}
@@ -929,14 +962,24 @@ class TrainingState:
         known: set[str] = set()
         model_t: dict[str, Any] = {}
         unmade: list[str] = []  # on the meta device: no memory to read into
+        short: tuple[int, int] | None = None  # the first whose storage was shrunk under it
+        short_name = ""
         for path, t in _leaves(cur_t):
             key = "model." + ".".join(path)
             known.add(key)
             if fit.take(key, t):
                 _put(model_t, path, t)
                 flat.append((key, t))
-                if (t._local_tensor if isinstance(t, DTensor) else t).is_meta:
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                if local.is_meta:
                     unmade.append(key[len("model.") :])
+                elif short is None:
+                    # Reads write its memory straight: past a shrunk storage's end is the heap.
+                    short = memory_shortfall(local)
+                    if short is not None:
+                        short_name = key[len("model.") :]
+        if short is not None:
+            raise short_memory_error(short_name, *short)
         if unmade:
             more = f" (and {len(unmade) - 1} more)" if len(unmade) > 1 else ""
             raise ConfigurationError(

@@ -1,0 +1,64 @@
+"""A tensor whose storage was shrunk under it (``untyped_storage().resize_()``, as FSDP2 does to
+the parameters it has unsharded) claims more memory than it has. Saves read each tensor's bytes
+straight from its memory, so such a tensor crashed the process (storage resized to 0) or was
+written with bytes from past its end that verify then vouched for (resized to half). Every save
+and load must refuse it with an error naming the tensor, and change nothing.
+
+Each case runs in a child process: the failure this guards against is a crash."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_CASE = r"""
+import json, os, sys, torch
+from ckptkeeper import Checkpointer, CkptkeeperError, TrainingState, state_digest
+how, frac, folder = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 256)).sum().backward()
+opt.step()
+st = TrainingState(model, opt)
+ck = Checkpointer()
+ck.save(folder, 1, st)
+if how == "again":
+    ck.save(folder, 2, st)  # a second save of the same tensors, as a periodic save is
+w = model[0].weight
+full = w.untyped_storage().nbytes()
+w.untyped_storage().resize_(int(full * frac))
+error = ""
+try:
+    if how in ("sync", "again"):
+        ck.save(folder, 3, st)
+    elif how == "async":
+        ck.save_async(folder, 3, st)[1].result()
+    else:
+        other = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+        other[0].weight.untyped_storage().resize_(int(full * frac))
+        before = state_digest(other[1])
+        ck.load(os.path.join(folder, "step1"), TrainingState(other))
+except CkptkeeperError as exc:
+    error = f"{type(exc).__name__}: {exc}"
+steps = [s for s, _ in ck.find_checkpoints(folder)]
+ck.close()
+print(json.dumps({"error": error, "steps": steps,
+                  "untouched": how != "load" or state_digest(other[1]) == before}))
+"""
+
+
+@pytest.mark.parametrize("how", ["sync", "again", "async", "load"])
+@pytest.mark.parametrize("frac", [0.0, 0.5])
+def test_a_tensor_whose_memory_was_shrunk_under_it_is_refused_by_name(tmp_path: Path, how: str, frac: float) -> None:
+    res = subprocess.run([sys.executable, "-c", _CASE, how, str(frac), str(tmp_path / "ck")],
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert res.returncode == 0, f"the process died ({res.returncode}): {res.stderr[-1500:]}"
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "0.weight" in out["error"] and "storage" in out["error"], out
+    assert out["untouched"], out
+    assert out["steps"] == ([1] if how in ("sync", "async", "load") else [1, 2]), out
