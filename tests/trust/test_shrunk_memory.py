@@ -18,14 +18,14 @@ import pytest
 _CASE = r"""
 import json, os, sys, torch
 from ckptkeeper import Checkpointer, CkptkeeperError, TrainingState, state_digest
-how, frac, folder = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+how, frac, folder, writer = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
 opt = torch.optim.AdamW(model.parameters())
 model(torch.randn(2, 256)).sum().backward()
 opt.step()
 st = TrainingState(model, opt)
-ck = Checkpointer()
+ck = Checkpointer(writer=writer)
 ck.save(folder, 1, st)
 if how == "again":
     ck.save(folder, 2, st)  # a second save of the same tensors, as a periodic save is
@@ -54,8 +54,11 @@ print(json.dumps({"error": error, "steps": steps,
 
 @pytest.mark.parametrize("how", ["sync", "again", "async", "load"])
 @pytest.mark.parametrize("frac", [0.0, 0.5])
-def test_a_tensor_whose_memory_was_shrunk_under_it_is_refused_by_name(tmp_path: Path, how: str, frac: float) -> None:
-    res = subprocess.run([sys.executable, "-c", _CASE, how, str(frac), str(tmp_path / "ck")],
+@pytest.mark.parametrize("writer", ["auto", "dcp"])
+def test_a_tensor_whose_memory_was_shrunk_under_it_is_refused_by_name(
+    tmp_path: Path, how: str, frac: float, writer: str
+) -> None:
+    res = subprocess.run([sys.executable, "-c", _CASE, how, str(frac), str(tmp_path / "ck"), writer],
                          capture_output=True, text=True, timeout=180)  # fmt: skip
     assert res.returncode == 0, f"the process died ({res.returncode}): {res.stderr[-1500:]}"
     out = json.loads(res.stdout.strip().splitlines()[-1])

@@ -261,6 +261,10 @@ def write_checkpoint(
                 # requires_grad in its metadata).
                 plain = detached_tree(tensors)
                 check_plain(plain)
+                # DCP's writer copies each tensor's memory without asking how long it is either.
+                short = staging_need(plain)[1]
+                if short is not None:
+                    raise short
                 saved = _write_with_dcp(settings, model_dir, plain, world)
                 expected.update(
                     f"{MODEL_DIR}/{rel}" for rel in saved if world == 1 or _written_by(f"{MODEL_DIR}/{rel}", rank)
