@@ -541,3 +541,16 @@ def test_a_shard_whose_memory_was_shrunk_on_one_rank_fails_every_rank(tmp_path: 
     assert "0.weight" in values[1]["error"] and "storage" in values[1]["error"], values
     for value in values:
         assert value["error"] and value["untouched"] and value["steps"] == [1, 2], value
+
+
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_an_interrupt_on_one_rank_fails_the_others_instead_of_leaving_them_waiting(tmp_path: Path, what: str) -> None:
+    # A KeyboardInterrupt (Ctrl-C, or raised by a hook) inside one rank's part of a save or load
+    # skipped that rank's exchange of outcomes: the other ranks waited in it until the process
+    # group's timeout. The interrupted rank now reports it before raising it as itself.
+    out = run_ranks(2, workers.interrupted_on_one_rank, str(tmp_path / "ck"), what, out=tmp_path / "o", timeout=120)
+    zero, one = _ok(out)
+    assert one["seen"] == "KeyboardInterrupt", one
+    assert "rank 1" in zero["seen"] and "KeyboardInterrupt" in zero["seen"], zero
+    for value in (zero, one):
+        assert value["unchanged"] and value["steps"] == [1, 3], value

@@ -738,3 +738,48 @@ def shrunk_shard_on_one_rank(rank: int, folder: str, how: str) -> dict[str, Any]
     steps = [s for s, _ in ckpt.find_checkpoints(folder)]
     ckpt.close()
     return {"error": error, "steps": steps, "untouched": state_digest(target[2]) == before}
+
+
+def interrupted_on_one_rank(rank: int, folder: str, what: str) -> dict[str, Any]:
+    """Rank 1 is interrupted (KeyboardInterrupt, as Ctrl-C raises it) in the middle of a
+    synchronous save (``save``: from an on_stage hook) or of a load (``load``: from its trainer
+    state check). Rank 1 must see its KeyboardInterrupt, rank 0 an error naming rank 1 instead of
+    waiting for it; both then go on (a save and a load that work)."""
+    from ckptkeeper import CheckpointError
+
+    model, opt = _sharded()
+    armed = [False]
+
+    def hook(stage: SaveStage) -> None:
+        if armed[0] and rank == 1 and stage.name == "writing tensors":
+            raise KeyboardInterrupt
+
+    def check(train_state: dict[str, Any]) -> None:
+        if armed[0] and rank == 1:
+            raise KeyboardInterrupt
+
+    ckpt = Checkpointer(on_stage=hook)
+    st = TrainingState(model, opt)
+    ckpt.save(folder, 1, st)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    before = state_digest(model, opt)
+    armed[0] = True
+    seen = ""
+    try:
+        if what == "save":
+            ckpt.save(folder, 2, st)
+        else:
+            ckpt.load(f"{folder}/step1", st, check)
+    except KeyboardInterrupt:
+        seen = "KeyboardInterrupt"
+    except CheckpointError as exc:
+        seen = f"{type(exc).__name__}: {exc}"
+    armed[0] = False
+    unchanged = state_digest(model, opt) == before
+    ckpt.save(folder, 3, st)
+    ckpt.load(f"{folder}/step3", st)
+    steps = [s for s, _ in ckpt.find_checkpoints(folder)]
+    ckpt.close()
+    return {"seen": seen, "unchanged": unchanged, "steps": steps}

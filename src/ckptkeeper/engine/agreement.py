@@ -88,13 +88,20 @@ def agree(
     error: BaseException | None = None
     try:
         result = fn()
-    except (Exception, CheckpointException) as exc:
+    except BaseException as exc:
+        # A KeyboardInterrupt or SystemExit too: raised past the exchange, it left the other
+        # ranks waiting in it (until the process group's timeout, or an abort when this rank
+        # reached its next collective first). It is reported like any failure, then raised as
+        # itself below.
         error = exc
     if D.get_world_size(group) == 1:
         if error is not None:
             raise error
         return [cast(T, result)]
-    failure = None if error is None else (type(unwrap(error)).__name__, str(unwrap(error)))
+    failure = None
+    if error is not None:
+        inner = unwrap(error)
+        failure = (type(inner).__name__, str(inner) or type(inner).__name__)  # a bare KeyboardInterrupt says nothing
     outcomes: list[Any] = []
     try:
         outcomes = D.all_gather_object((failure, None if error is not None else result), group=group)
