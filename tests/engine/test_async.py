@@ -597,7 +597,7 @@ def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(
     ckpt.close()
 
 
-@pytest.mark.parametrize("call", ["load", "save", "save_async", "close"])
+@pytest.mark.parametrize("call", ["load", "load with another", "save", "save_async", "close"])
 def test_a_sync_save_hook_that_loads_or_saves_gets_an_error_and_changes_nothing(tmp_path: Path, call: str) -> None:
     # Found by an outside attack: a synchronous save's hook runs on the training thread, where
     # load() went through. It put the step-1 state back under the save, which then committed a
@@ -615,6 +615,8 @@ def test_a_sync_save_hook_that_loads_or_saves_gets_an_error_and_changes_nothing(
         try:
             if call == "load":
                 ck.load(str(tmp_path / "step1"), st)
+            elif call == "load with another":  # the state rewritten all the same (a second attack)
+                Checkpointer().load(str(tmp_path / "step1"), st)
             elif call == "save_async":
                 ck.save_async(str(tmp_path), 3, st)
             elif call == "save":
@@ -635,7 +637,7 @@ def test_a_sync_save_hook_that_loads_or_saves_gets_an_error_and_changes_nothing(
     with pytest.raises(CheckpointSaveError, match=r"inside a synchronous save"):
         ckpt.save(str(tmp_path), 2, st)
     assert len(seen) == 1 and isinstance(seen[0], ConfigurationError), seen
-    assert "on_stage" in str(seen[0]) and f"Checkpointer.{call}()" in str(seen[0]), seen
+    assert "on_stage" in str(seen[0]) and f"Checkpointer.{call.split()[0]}()" in str(seen[0]), seen
     assert state_digest(st.model, st.optimizer) == before  # nothing was loaded into it
     assert not (tmp_path / "step2").exists() and not (tmp_path / "step3").exists()
     assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [1]
@@ -645,6 +647,23 @@ def test_a_sync_save_hook_that_loads_or_saves_gets_an_error_and_changes_nothing(
     ckpt.save_async(str(tmp_path), 3, st)[1].result()
     ckpt.close()
     assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path))] == [1, 2, 3]
+
+
+def test_a_sync_save_hook_may_save_with_another_checkpointer(tmp_path: Path) -> None:
+    # A save only reads the state: through another checkpointer it is allowed inside a hook.
+    st = _state()
+    other = Checkpointer()
+
+    def hook(stage: SaveStage) -> None:
+        if stage.name == "writing tensors":
+            other.save(str(tmp_path / "other"), stage.step, st)
+
+    ckpt = Checkpointer(on_stage=hook)
+    ckpt.save(str(tmp_path / "main"), 1, st)
+    assert ckpt.find_checkpoints(str(tmp_path / "main"))[0][0] == 1
+    assert other.find_checkpoints(str(tmp_path / "other"))[0][0] == 1
+    ckpt.close()
+    other.close()
 
 
 def test_a_hook_may_collect_a_save_that_has_finished(tmp_path: Path) -> None:

@@ -308,6 +308,23 @@ def test_a_tensor_subclass_is_refused_at_save_time_not_after(tmp_path: Path) -> 
     assert not [p for p in os.listdir(tmp_path) if p.startswith("step")]
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_a_sparse_tensor_is_refused_by_name_with_the_fix(tmp_path: Path, background: bool) -> None:
+    # Found by an outside attack: sync saves failed with torch's "Cannot access storage of
+    # SparseTensorImpl", async ones with a raw RuntimeError from the staging copy.
+    from ckptkeeper import CheckpointSaveError, ConfigurationError, TrainingState
+
+    st = TrainingState(torch.nn.Linear(2, 2), extra={"x": _Extra({"a": torch.eye(3).to_sparse()})})
+    ck = Checkpointer()
+    with pytest.raises((CheckpointSaveError, ConfigurationError), match=r"extra\.x\.a is a sparse_coo tensor.*dense"):
+        if background:
+            ck.save_async(str(tmp_path), 1, st)[1].result()
+        else:
+            ck.save(str(tmp_path), 1, st)
+    ck.close()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("step")]
+
+
 @pytest.mark.parametrize("lone", [torch.int64, torch.bfloat16, torch.bool, torch.complex64])
 def test_a_tensor_alone_of_its_dtype_in_a_run_is_put_back_after_a_failed_load(
     tmp_path: Path, lone: torch.dtype

@@ -55,6 +55,10 @@ __all__ = ["CheckpointInfo", "Checkpointer", "SaveResult", "SaveStage"]
 log = logging.getLogger(__name__)
 
 
+# ``depth`` > 0 on a thread while it runs a synchronous save of any checkpointer.
+_SYNC_SAVES_HERE = threading.local()
+
+
 class Checkpointer:
     """Saves and loads checkpoints of a :class:`TrainingState` under a save folder (path or URL).
 
@@ -154,8 +158,9 @@ class Checkpointer:
         # Refused only where it would block (inside the save in flight): a synchronous save uses
         # no writer thread, so a done-callback may make one.
         self._runner.wait("Checkpointer.save()")
-        here = self._sync_saving
+        here, anyone = self._sync_saving, _SYNC_SAVES_HERE
         here.depth = getattr(here, "depth", 0) + 1
+        anyone.depth = getattr(anyone, "depth", 0) + 1
         try:
             # The caller waits for the whole save: the collector's pauses cost it nothing here.
             with paused_gc():
@@ -164,6 +169,7 @@ class Checkpointer:
                 result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked)
         finally:
             here.depth -= 1
+            anyone.depth -= 1
         emit_save(result, is_async=False)
         return result
 
@@ -203,14 +209,15 @@ class Checkpointer:
         # All ranks take the same way (error, sync or async), or some would wait in a save the
         # others never start.
         if not D.all_agree(not over_here and short is None, group=self.process_group):
-            # Every rank is here: a tensor whose memory was shrunk under it, on any rank, fails
-            # the save everywhere (staging would read past its end), before the budget's choice.
+            # Every rank is here: a tensor that cannot be staged on any rank (its memory shrunk
+            # under it, so the copy would read past its end; or sparse) fails the save
+            # everywhere, before the budget's choice.
             if not D.all_agree(short is None, group=self.process_group):
                 if short is not None:
-                    raise short
+                    raise ConfigurationError(f"step {step}: {short}; nothing was saved") from short
                 raise ConfigurationError(
-                    f"step {step}: another rank holds a tensor whose storage was resized under it (that rank's "
-                    "error names it); nothing was saved"
+                    f"step {step}: another rank holds a tensor it cannot stage (that rank's error names it and "
+                    "why); nothing was saved"
                 )
             budget = self.staging_budget_bytes or 0
             msg = (
@@ -260,17 +267,19 @@ class Checkpointer:
         self._runner.refuse_inside(what)
         self._refuse_in_sync_save(what)
 
-    def _refuse_in_sync_save(self, what: str) -> None:
+    def _refuse_in_sync_save(self, what: str, by_any: bool = False) -> None:
         # A synchronous save's on_stage hook runs on the caller's thread, where nothing waits for
         # the save, but a load there rewrote the state under the save (which then committed a mix
         # of both that passed verify), a load on one rank only left the others waiting in the
         # save's exchange until the process group's timeout, and a nested save or close()
-        # interleaved with the save (all found by an outside attack): refused before they change
-        # anything, the save fails with the error on every rank together.
-        if getattr(self._sync_saving, "depth", 0):
+        # interleaved with the save (all found by outside attacks): refused before they change
+        # anything, the save fails with the error on every rank together. A load is refused inside
+        # any checkpointer's synchronous save on this thread (through another checkpointer it
+        # rewrote the state all the same); a save through another one only reads, and is allowed.
+        if getattr(_SYNC_SAVES_HERE if by_any else self._sync_saving, "depth", 0):
             raise ConfigurationError(
-                f"{what} was called inside a synchronous save of this checkpointer (from an on_stage hook?), "
-                "which is still reading the state it saves; call it from the training code"
+                f"{what} was called inside a synchronous save (from an on_stage hook?), which is still "
+                "reading the state it saves; call it from the training code"
             )
 
     def wait_for(self, fut: Future[SaveResult]) -> SaveResult | None:
@@ -366,7 +375,7 @@ class Checkpointer:
         tensor is touched.
         """
         self._runner.refuse_inside("Checkpointer.load()")
-        self._refuse_in_sync_save("Checkpointer.load()")
+        self._refuse_in_sync_save("Checkpointer.load()", by_any=True)
         # The caller waits for the whole load (see gcpause for why the collector is paused).
         with paused_gc():
             return loading.load(self, path, state, check_train_state)

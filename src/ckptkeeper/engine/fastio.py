@@ -275,6 +275,22 @@ def check_plain(tree: Mapping[str, Any] | Leaves) -> None:
                 f"{fqn[:200]!r} is a {type(value).__name__} (a tensor subclass), which cannot be saved without "
                 "pickling its class; save a plain tensor instead (value.as_subclass(torch.Tensor))"
             )
+        if isinstance(value, torch.Tensor) and type(value) is not ShardedTensor:
+            refuse_unstrided(fqn, value)
+
+
+def refuse_unstrided(fqn: str, value: torch.Tensor) -> None:
+    """ConfigurationError naming ``fqn`` when ``value`` is not a strided tensor (sparse, say): DCP's
+    writer and the staging copy fail on one with torch's own words, which name neither."""
+    from torch.distributed.tensor import DTensor
+
+    layout = value._local_tensor.layout if isinstance(value, DTensor) else value.layout
+    if layout is not torch.strided:
+        kind = str(layout).removeprefix("torch.")
+        raise ConfigurationError(
+            f"{fqn[:200]} is a {kind} tensor, which a checkpoint cannot store yet; save it dense "
+            "(value.to_dense()) and make it sparse again after loading"
+        )
 
 
 def _leaves(tree: Mapping[str, Any]) -> Leaves:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -42,6 +43,7 @@ from .fastio import (
     Segment,
     can_use_fast_path,
     check_plain,
+    refuse_unstrided,
     tensor_table,
     walk,
     write_fast,
@@ -493,9 +495,15 @@ def staging_need(tree: Mapping[str, Any]) -> tuple[int, ConfigurationError | Non
     in one pass: staging copies each tensor's memory without asking how long it is."""
     total = 0
     problem: ConfigurationError | None = None
+    strided = torch.strided
     for path, t in flatten_tensors(tree):
         local = local_shard(t)
         total += local.numel() * local.element_size()
+        if problem is None and local.layout is not strided:
+            try:
+                refuse_unstrided(path, local)
+            except ConfigurationError as exc:
+                problem = exc  # raised once every rank knows (see Checkpointer.save_async)
         if problem is None:
             short = memory_shortfall(local)
             if short is not None:

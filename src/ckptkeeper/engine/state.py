@@ -76,12 +76,15 @@ def memory_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     n = t.numel()
     if n == 0 or t.is_meta:
         return None
-    if t.is_contiguous():
-        last = t.storage_offset() + n
-    else:
-        last = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    try:
+        if t.is_contiguous():
+            last = t.storage_offset() + n
+        else:
+            last = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+        have = t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):
+        return None  # no plain storage (sparse, say): not read as raw memory; refused where it is written
     need = int(last) * t.element_size()
-    have = t.untyped_storage().nbytes()
     return (need, have) if need > have else None
 
 
@@ -1029,6 +1032,9 @@ class TrainingState:
                     path = _split_rest(node, key[len(f"extra.{name}.") :])
                     cur = current.get(path)
                     if cur is not None and _shape(cur) == info.shape and cur.dtype == info.dtype:
+                        found = memory_shortfall(cur._local_tensor if isinstance(cur, DTensor) else cur)
+                        if found is not None:
+                            raise short_memory_error(key, *found)
                         t = cur  # read in place, as the model is
                         _put(live["extra"].setdefault(name, {}), path, cur)
                     elif cur is not None and _shape(cur) == info.shape:
