@@ -73,17 +73,19 @@ def memory_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     (a storage resized to 0) or read whatever lay past its end, which the checksums then vouched
     for; writing into it (a load) corrupted the heap. Torch checks this only where a view is made.
     """
-    n = t.numel()
-    if n == 0 or t.is_meta:
-        return None
     try:
+        n = t.numel()
+        if n == 0 or t.is_meta:
+            return None
         if t.is_contiguous():
             last = t.storage_offset() + n
         else:
             last = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
         have = t.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):
-        return None  # no plain storage (sparse, say): not read as raw memory; refused where it is written
+        # No plain storage (sparse), or a wrapper that answers none of this (FSDP1's
+        # ShardedTensor): not read as raw memory here; refused where it would be written.
+        return None
     need = int(last) * t.element_size()
     return (need, have) if need > have else None
 
