@@ -498,12 +498,15 @@ def staging_need(tree: Mapping[str, Any]) -> tuple[int, ConfigurationError | Non
     strided = torch.strided
     for path, t in flatten_tensors(tree):
         local = local_shard(t)
-        total += local.numel() * local.element_size()
-        if problem is None and local.layout is not strided:
-            try:
-                refuse_unstrided(path, local)
-            except ConfigurationError as exc:
-                problem = exc  # raised once every rank knows (see Checkpointer.save_async)
+        if local.layout is not strided:
+            total += local.numel() * local.element_size()  # (nbytes raises for a sparse one)
+            if problem is None:
+                try:
+                    refuse_unstrided(path, local)
+                except ConfigurationError as exc:
+                    problem = exc  # raised once every rank knows (see Checkpointer.save_async)
+            continue
+        total += local.nbytes
         if problem is None:
             short = memory_shortfall(local)
             if short is not None:

@@ -74,13 +74,17 @@ def memory_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     for; writing into it (a load) corrupted the heap. Torch checks this only where a view is made.
     """
     try:
+        # Asked per tensor per async save (before staging): the contiguous case in five calls.
+        if t.is_contiguous():
+            need = t.storage_offset() * t.itemsize + t.nbytes
+            have = t.untyped_storage().nbytes()
+            if need <= have or t.nbytes == 0 or t.is_meta:
+                return None
+            return int(need), have
         n = t.numel()
         if n == 0 or t.is_meta:
             return None
-        if t.is_contiguous():
-            last = t.storage_offset() + n
-        else:
-            last = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+        last = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
         have = t.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):
         # No plain storage (sparse), or a wrapper that answers none of this (FSDP1's
