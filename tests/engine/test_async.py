@@ -9,7 +9,7 @@ import errno
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -555,13 +555,17 @@ def test_a_wait_in_a_handler_that_interrupted_the_runners_own_bookkeeping_does_n
     runner.close()
 
 
-@pytest.mark.parametrize("call", ["wait", "load", "save", "save_async", "close"])
-def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(tmp_path: Path, call: str) -> None:
-    # An on_stage hook runs on the writer thread, inside the save: wait(), load(), save(),
-    # save_async() and close() there would wait for that very save, for ever.
-    st = _state()
-    box: list[Checkpointer] = []
-    seen: list[BaseException] = []
+def _hook_calling(
+    call: str,
+    folder: Path,
+    st: TrainingState,
+    load_into: TrainingState,
+    box: list[Checkpointer],
+    seen: list[BaseException],
+) -> Callable[[SaveStage], None]:
+    """An on_stage hook that, at step 2's "writing tensors", makes ``call`` on ``box[0]`` (saving
+    ``st``, loading step 1 into ``load_into``; "load with another": through a second
+    checkpointer) and records what it raised in ``seen`` before raising it on."""
 
     def hook(stage: SaveStage) -> None:
         if stage.name != "writing tensors" or stage.step != 2:
@@ -571,18 +575,30 @@ def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(
             if call == "wait":
                 ck.wait()
             elif call == "load":
-                ck.load(str(tmp_path / "step1"), _state())
+                ck.load(str(folder / "step1"), load_into)
+            elif call == "load with another":
+                Checkpointer().load(str(folder / "step1"), load_into)
             elif call == "save_async":
-                ck.save_async(str(tmp_path), 3, st)
+                ck.save_async(str(folder), 3, st)
             elif call == "save":
-                ck.save(str(tmp_path), 3, st)
+                ck.save(str(folder), 3, st)
             else:
                 ck.close()
         except BaseException as exc:
             seen.append(exc)
             raise
 
-    ckpt = Checkpointer(on_stage=hook)
+    return hook
+
+
+@pytest.mark.parametrize("call", ["wait", "load", "save", "save_async", "close"])
+def test_a_hook_that_waits_for_its_own_save_gets_an_error_instead_of_a_deadlock(tmp_path: Path, call: str) -> None:
+    # An on_stage hook runs on the writer thread, inside the save: wait(), load(), save(),
+    # save_async() and close() there would wait for that very save, for ever.
+    st = _state()
+    box: list[Checkpointer] = []
+    seen: list[BaseException] = []
+    ckpt = Checkpointer(on_stage=_hook_calling(call, tmp_path, st, _state(), box, seen))
     box.append(ckpt)
     ckpt.save(str(tmp_path), 1, st)
     _, fut = ckpt.save_async(str(tmp_path), 2, st)
@@ -607,27 +623,7 @@ def test_a_sync_save_hook_that_loads_or_saves_gets_an_error_and_changes_nothing(
     st = _state()
     box: list[Checkpointer] = []
     seen: list[BaseException] = []
-
-    def hook(stage: SaveStage) -> None:
-        if stage.name != "writing tensors" or stage.step != 2:
-            return
-        ck = box[0]
-        try:
-            if call == "load":
-                ck.load(str(tmp_path / "step1"), st)
-            elif call == "load with another":  # the state rewritten all the same (a second attack)
-                Checkpointer().load(str(tmp_path / "step1"), st)
-            elif call == "save_async":
-                ck.save_async(str(tmp_path), 3, st)
-            elif call == "save":
-                ck.save(str(tmp_path), 3, st)
-            else:
-                ck.close()
-        except BaseException as exc:
-            seen.append(exc)
-            raise
-
-    ckpt = Checkpointer(on_stage=hook)
+    ckpt = Checkpointer(on_stage=_hook_calling(call, tmp_path, st, st, box, seen))
     box.append(ckpt)
     ckpt.save(str(tmp_path), 1, st)
     with torch.no_grad():
