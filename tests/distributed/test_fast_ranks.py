@@ -543,14 +543,31 @@ def test_a_shard_whose_memory_was_shrunk_on_one_rank_fails_every_rank(tmp_path: 
         assert value["error"] and value["untouched"] and value["steps"] == [1, 2], value
 
 
-@pytest.mark.parametrize("what", ["save", "load"])
+@pytest.mark.parametrize("what", ["save", "load", "exit"])
 def test_an_interrupt_on_one_rank_fails_the_others_instead_of_leaving_them_waiting(tmp_path: Path, what: str) -> None:
     # A KeyboardInterrupt (Ctrl-C, or raised by a hook) inside one rank's part of a save or load
     # skipped that rank's exchange of outcomes: the other ranks waited in it until the process
     # group's timeout. The interrupted rank now reports it before raising it as itself.
     out = run_ranks(2, workers.interrupted_on_one_rank, str(tmp_path / "ck"), what, out=tmp_path / "o", timeout=120)
     zero, one = _ok(out)
-    assert one["seen"] == "KeyboardInterrupt", one
-    assert "rank 1" in zero["seen"] and "KeyboardInterrupt" in zero["seen"], zero
+    kind = "SystemExit" if what == "exit" else "KeyboardInterrupt"
+    assert one["seen"] == kind, one
+    assert "rank 1" in zero["seen"] and kind in zero["seen"], zero  # (SystemExit(3) said only "3")
     for value in (zero, one):
         assert value["unchanged"] and value["steps"] == [1, 3], value
+
+
+@pytest.mark.parametrize(("kind", "background"), [("sparse", False), ("shrunk", False), ("meta", True)])
+def test_a_tensor_one_rank_cannot_save_fails_every_rank_on_the_dcp_and_staging_paths(
+    tmp_path: Path, kind: str, background: bool
+) -> None:
+    # Found by an outside attack: refused on rank 1 just before DCP's writer, while rank 0 went
+    # into DCP's own collectives (both waited until the timeout); a meta tensor failed staging
+    # after the ranks had agreed to save, so rank 0's background save ran alone.
+    out = run_ranks(2, workers.unsaveable_extra_on_one_rank, str(tmp_path / "ck"), kind, background,
+                    out=tmp_path / "o", timeout=120)  # fmt: skip
+    zero, one = _ok(out)
+    assert "extra.b.t" in one["error"], one
+    assert "rank 1" in zero["error"] or "another rank" in zero["error"], zero
+    for value in (zero, one):
+        assert value["steps"] == [2], value

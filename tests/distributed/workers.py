@@ -752,6 +752,8 @@ def interrupted_on_one_rank(rank: int, folder: str, what: str) -> dict[str, Any]
 
     def hook(stage: SaveStage) -> None:
         if armed[0] and rank == 1 and stage.name == "writing tensors":
+            if what == "exit":
+                raise SystemExit(3)
             raise KeyboardInterrupt
 
     def check(train_state: dict[str, Any]) -> None:
@@ -768,12 +770,12 @@ def interrupted_on_one_rank(rank: int, folder: str, what: str) -> dict[str, Any]
     armed[0] = True
     seen = ""
     try:
-        if what == "save":
+        if what in ("save", "exit"):
             ckpt.save(folder, 2, st)
         else:
             ckpt.load(f"{folder}/step1", st, check)
-    except KeyboardInterrupt:
-        seen = "KeyboardInterrupt"
+    except (KeyboardInterrupt, SystemExit) as exc:
+        seen = type(exc).__name__
     except CheckpointError as exc:
         seen = f"{type(exc).__name__}: {exc}"
     armed[0] = False
@@ -783,3 +785,46 @@ def interrupted_on_one_rank(rank: int, folder: str, what: str) -> dict[str, Any]
     steps = [s for s, _ in ckpt.find_checkpoints(folder)]
     ckpt.close()
     return {"seen": seen, "unchanged": unchanged, "steps": steps}
+
+
+class _Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.t = sd["t"]
+
+
+def unsaveable_extra_on_one_rank(rank: int, folder: str, kind: str, background: bool) -> dict[str, Any]:
+    """Rank 1 alone holds an extra that cannot be saved (``sparse``: CSR; ``shrunk``: storage
+    resized under it; ``meta``; the save going through DCP's writer or async staging). Every rank
+    must fail the save together (rank 1 naming the tensor), and then save again."""
+    from ckptkeeper import CkptkeeperError
+
+    t = torch.arange(8.0)
+    if rank == 1:
+        if kind == "sparse":
+            t = torch.eye(4).to_sparse_csr()
+        elif kind == "shrunk":
+            t.untyped_storage().resize_(8)
+        else:
+            t = torch.empty(8, device="meta")
+    box = _Box(t)
+    st = TrainingState(nn.Linear(2, 2), extra={"b": box})
+    ckpt = Checkpointer(writer="dcp")
+    error = ""
+    try:
+        if background:
+            ckpt.save_async(folder, 1, st)[1].result()
+        else:
+            ckpt.save(folder, 1, st)
+    except CkptkeeperError as exc:
+        error = str(exc)
+    box.t = torch.arange(8.0)
+    ckpt.save(folder, 2, st)
+    steps = [s for s, _ in ckpt.find_checkpoints(folder)]
+    ckpt.close()
+    return {"error": error, "steps": steps}

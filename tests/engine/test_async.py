@@ -662,6 +662,25 @@ def test_a_sync_save_hook_may_save_with_another_checkpointer(tmp_path: Path) -> 
     other.close()
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_save_leaves_no_work_folder_behind(tmp_path: Path, interrupt: type[BaseException]) -> None:
+    # Found by an outside attack: an interrupt raised inside the save (Ctrl-C, sys.exit from a
+    # hook) skipped the clean-up an I/O error gets, and left the step's work folder.
+    def hook(stage: SaveStage) -> None:
+        if stage.name == "writing trainer state" and stage.step == 2:
+            raise interrupt
+
+    st = _state()
+    ckpt = Checkpointer(on_stage=hook)
+    ckpt.save(str(tmp_path), 1, st)
+    with pytest.raises(interrupt):
+        ckpt.save(str(tmp_path), 2, st)
+    assert sorted(os.listdir(tmp_path)) == ["step1"]
+    ckpt.save(str(tmp_path), 3, st)
+    ckpt.close()
+    assert sorted(os.listdir(tmp_path)) == ["step1", "step3"]
+
+
 def test_a_hook_may_collect_a_save_that_has_finished(tmp_path: Path) -> None:
     # Only a wait that would block is refused inside a save: an earlier save's finished future is
     # collected as anywhere else.

@@ -308,15 +308,29 @@ def test_a_tensor_subclass_is_refused_at_save_time_not_after(tmp_path: Path) -> 
     assert not [p for p in os.listdir(tmp_path) if p.startswith("step")]
 
 
+_UNSAVEABLE = {
+    "sparse_coo": lambda: torch.eye(3).to_sparse(),
+    "sparse_csr": lambda: torch.eye(3).to_sparse_csr(),
+    "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+    "meta": lambda: torch.empty(3, device="meta"),
+}
+
+
 @pytest.mark.parametrize("background", [False, True])
-def test_a_sparse_tensor_is_refused_by_name_with_the_fix(tmp_path: Path, background: bool) -> None:
-    # Found by an outside attack: sync saves failed with torch's "Cannot access storage of
-    # SparseTensorImpl", async ones with a raw RuntimeError from the staging copy.
+@pytest.mark.parametrize("kind", list(_UNSAVEABLE))
+def test_a_tensor_a_checkpoint_cannot_store_is_refused_by_name_with_the_fix(
+    tmp_path: Path, background: bool, kind: str
+) -> None:
+    # Found by outside attacks: sync saves failed with torch's words ("Cannot access storage of
+    # SparseTensorImpl", "Sparse CSR tensors do not have is_contiguous"), async ones with raw
+    # torch errors from the staging copy; none named the tensor.
     from ckptkeeper import CheckpointSaveError, ConfigurationError, TrainingState
 
-    st = TrainingState(torch.nn.Linear(2, 2), extra={"x": _Extra({"a": torch.eye(3).to_sparse()})})
+    st = TrainingState(torch.nn.Linear(2, 2), extra={"x": _Extra({"a": _UNSAVEABLE[kind]()})})
     ck = Checkpointer()
-    with pytest.raises((CheckpointSaveError, ConfigurationError), match=r"extra\.x\.a is a sparse_coo tensor.*dense"):
+    what = {"sparse_coo": "a sparse_coo tensor.*to_dense", "sparse_csr": "a sparse_csr tensor.*to_dense",
+            "nested": "a nested tensor.*unbind", "meta": "on the meta device.*materialise"}[kind]  # fmt: skip
+    with pytest.raises((CheckpointSaveError, ConfigurationError), match=rf"extra\.x\.a is {what}"):
         if background:
             ck.save_async(str(tmp_path), 1, st)[1].result()
         else:

@@ -101,7 +101,10 @@ def agree(
     failure = None
     if error is not None:
         inner = unwrap(error)
-        failure = (type(inner).__name__, str(inner) or type(inner).__name__)  # a bare KeyboardInterrupt says nothing
+        text = str(inner)
+        if not isinstance(inner, Exception):  # SystemExit(3) says "3", a bare KeyboardInterrupt nothing
+            text = f"{type(inner).__name__}({text})" if text else type(inner).__name__
+        failure = (type(inner).__name__, text)
     outcomes: list[Any] = []
     try:
         outcomes = D.all_gather_object((failure, None if error is not None else result), group=group)

@@ -276,20 +276,31 @@ def check_plain(tree: Mapping[str, Any] | Leaves) -> None:
                 "pickling its class; save a plain tensor instead (value.as_subclass(torch.Tensor))"
             )
         if isinstance(value, torch.Tensor) and type(value) is not ShardedTensor:
-            refuse_unstrided(fqn, value)
+            refuse_unsaveable(fqn, value)
 
 
-def refuse_unstrided(fqn: str, value: torch.Tensor) -> None:
-    """ConfigurationError naming ``fqn`` when ``value`` is not a strided tensor (sparse, say): DCP's
-    writer and the staging copy fail on one with torch's own words, which name neither."""
+def refuse_unsaveable(fqn: str, value: torch.Tensor) -> None:
+    """ConfigurationError naming ``fqn`` when ``value`` (a DTensor's local shard) cannot be saved:
+    sparse (any layout), nested, or on the meta device (no values). DCP's writer and the staging
+    copy fail on those with torch's own words, which name no tensor."""
     from torch.distributed.tensor import DTensor
 
-    layout = value._local_tensor.layout if isinstance(value, DTensor) else value.layout
-    if layout is not torch.strided:
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    layout = local.layout
+    if layout is not torch.strided and layout is not getattr(torch, "_mkldnn", None):
         kind = str(layout).removeprefix("torch.")
+        fix = "to_dense()" if kind.startswith("sparse") else "a plain tensor (e.g. torch.cat of its parts)"
         raise ConfigurationError(
-            f"{fqn[:200]} is a {kind} tensor, which a checkpoint cannot store yet; save it dense "
-            "(value.to_dense()) and make it sparse again after loading"
+            f"{fqn[:200]} is a {kind} tensor, which a checkpoint cannot store yet; save {fix} instead"
+        )
+    if local.is_nested:
+        raise ConfigurationError(
+            f"{fqn[:200]} is a nested tensor, which a checkpoint cannot store yet; save its parts (unbind()) instead"
+        )
+    if local.is_meta:
+        raise ConfigurationError(
+            f"{fqn[:200]} is on the meta device (made without memory: it holds no values to save); materialise it "
+            "first, e.g. module.to_empty(device='cpu') and initialise it"
         )
 
 
@@ -311,6 +322,9 @@ def _leaves(tree: Mapping[str, Any]) -> Leaves:
     return out
 
 
+_STRIDED = torch.strided
+
+
 def can_use_fast_path(tree: Mapping[str, Any] | Leaves, loading: bool = False) -> bool:
     """Whether every leaf is a plain CPU tensor (no DTensor, no GPU tensor, no other object); to
     load into, also contiguous (its bytes are read straight into its memory)."""
@@ -318,7 +332,8 @@ def can_use_fast_path(tree: Mapping[str, Any] | Leaves, loading: bool = False) -
         # Cheap properties only (``v.device`` makes an object per call): this runs per tensor per load.
         if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
             return False
-        if not v.is_cpu or v.is_sparse or v.is_quantized or v.is_mkldnn:
+        # Any layout but strided (sparse CSR and the rest too) goes to DCP's path, which refuses it by name.
+        if not v.is_cpu or v.layout is not _STRIDED or v.is_quantized:
             return False
         if loading and (not v.is_contiguous() or v.is_conj() or v.is_neg()):
             return False
@@ -450,6 +465,8 @@ def exact(t: torch.Tensor, name: str = "a tensor") -> torch.Tensor:
     short = memory_shortfall(t)
     if short is not None:
         raise short_memory_error(name, *short)
+    if t.is_nested:
+        refuse_unsaveable(name, t)
     if t.requires_grad:
         t = t.detach()  # only its bytes are read; a detach per tensor is not free, so only when needed
     if t.is_conj() or t.is_neg():

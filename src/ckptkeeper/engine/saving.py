@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -43,7 +42,7 @@ from .fastio import (
     Segment,
     can_use_fast_path,
     check_plain,
-    refuse_unstrided,
+    refuse_unsaveable,
     tensor_table,
     walk,
     write_fast,
@@ -232,6 +231,17 @@ def write_checkpoint(
             streamed.append(rel)
         return upload
 
+    def check_for_dcp(plain: Mapping[str, Any] | None = None) -> None:
+        # DCP's writer copies each tensor's memory without asking how long it is, and fails on
+        # what it cannot store with words that name no tensor. It runs collectives of its own:
+        # with several ranks this check is a round of its own before it, or a rank refusing
+        # here left the others waiting inside DCP's (found by an outside attack).
+        plain = detached_tree(tensors) if plain is None else plain
+        check_plain(plain)
+        short = staging_need(plain)[1]
+        if short is not None:
+            raise short
+
     def write_tensors() -> None:
         enter("writing tensors")
         if sharded:
@@ -262,11 +272,8 @@ def write_checkpoint(
                 # them (a Parameter subclass would be refused below, and DCP would record
                 # requires_grad in its metadata).
                 plain = detached_tree(tensors)
-                check_plain(plain)
-                # DCP's writer copies each tensor's memory without asking how long it is either.
-                short = staging_need(plain)[1]
-                if short is not None:
-                    raise short
+                if world == 1:
+                    check_for_dcp(plain)  # (several ranks agreed on it in a round of its own)
                 saved = _write_with_dcp(settings, model_dir, plain, world)
                 expected.update(
                     f"{MODEL_DIR}/{rel}" for rel in saved if world == 1 or _written_by(f"{MODEL_DIR}/{rel}", rank)
@@ -326,6 +333,8 @@ def write_checkpoint(
         # with the same replicated tensors (their writers are chosen from that list).
         sharded = world > 1 and signatures[0] is not None and len(set(signatures)) == 1
         stage = "writing tensors"
+        if world > 1 and not sharded:
+            agree(check_for_dcp, step, pg)
         agree(write_tensors, step, pg)
         if sharded:
             # Only rank 0 writes DCP's metadata and the shared index, so only rank 0 receives
@@ -341,13 +350,16 @@ def write_checkpoint(
         stage = "publishing"
         record = CommitRecord(step=step, ephemeral=ephemeral, world_size=world, files=files, extra=extra)
         agree(publish, step, pg)
-    except (Exception, CheckpointException) as raw:
+    except BaseException as raw:
         exc = unwrap(raw)
         discard_final = final if rank == 0 and stage != "preparing" else None
         if not isinstance(exc, Exception):
-            # Ctrl-C or SystemExit inside DCP's writer (which wraps it): the save is dropped and
-            # the interruption goes on as it is, not as a save error.
+            # Ctrl-C or SystemExit (raised here, or inside DCP's writer, which wraps it): the save
+            # is dropped (its work folder was left behind; found by an outside attack) and the
+            # interruption goes on as it is, not as a save error.
             commit.discard(work, discard_final)
+            if exc is raw:
+                raise
             raise exc from None
         if isinstance(exc, CheckpointSaveError):
             commit.discard(work, discard_final)
@@ -498,11 +510,11 @@ def staging_need(tree: Mapping[str, Any]) -> tuple[int, ConfigurationError | Non
     strided = torch.strided
     for path, t in flatten_tensors(tree):
         local = local_shard(t)
-        if local.layout is not strided:
+        if local.layout is not strided or local.is_meta or local.is_nested:
             total += local.numel() * local.element_size()  # (nbytes raises for a sparse one)
             if problem is None:
                 try:
-                    refuse_unstrided(path, local)
+                    refuse_unsaveable(path, local)
                 except ConfigurationError as exc:
                     problem = exc  # raised once every rank knows (see Checkpointer.save_async)
             continue
