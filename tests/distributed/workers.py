@@ -828,3 +828,49 @@ def unsaveable_extra_on_one_rank(rank: int, folder: str, kind: str, background: 
     steps = [s for s, _ in ckpt.find_checkpoints(folder)]
     ckpt.close()
     return {"error": error, "steps": steps}
+
+
+def ctrl_c_while_waiting_in_an_exchange(rank: int, folder: str, what: str) -> dict[str, Any]:
+    """A real SIGINT reaches rank 1 while it waits for rank 0 in one of a save's (or load's)
+    exchanges (rank 0 is held up in a hook). The save or load must end alike on both ranks, the
+    interrupt then raised on rank 1; both go on saving and loading after it."""
+    import signal
+    import threading
+    import time
+
+    model, opt = _sharded()
+    armed = [False]
+
+    def hold_up() -> None:
+        if rank == 1:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        else:
+            time.sleep(1.5)
+
+    def hook(stage: SaveStage) -> None:
+        if armed[0] and stage.name == "writing tensors":
+            armed[0] = False
+            hold_up()
+
+    def check(train_state: dict[str, Any]) -> None:
+        if armed[0]:
+            armed[0] = False
+            hold_up()
+
+    ckpt = Checkpointer(on_stage=hook)
+    st = TrainingState(model, opt)
+    ckpt.save(folder, 1, st)
+    armed[0] = True
+    seen = ""
+    try:
+        if what == "save":
+            ckpt.save(folder, 2, st)
+        else:
+            ckpt.load(f"{folder}/step1", st, check)
+    except KeyboardInterrupt:
+        seen = "KeyboardInterrupt"
+    ckpt.save(folder, 3, st)
+    ckpt.load(f"{folder}/step3", st)
+    steps = [s for s, _ in ckpt.find_checkpoints(folder)]
+    ckpt.close()
+    return {"seen": seen, "steps": steps}

@@ -9,7 +9,11 @@ stopped answering (see :func:`lost_rank_error`) rather than relaying the transpo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -23,7 +27,9 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["agree", "load_error", "lost_rank_error", "save_error", "unwrap"]
+__all__ = ["agree", "ctrl_c_after", "load_error", "lost_rank_error", "save_error", "unwrap"]
+
+log = logging.getLogger("ckptkeeper.engine.agreement")
 
 T = TypeVar("T")
 
@@ -134,3 +140,44 @@ def agree(
 
 
 _GRAVITY = {"CorruptCheckpointError": 1, "UnsafeCheckpointError": 2}
+
+
+@contextlib.contextmanager
+def ctrl_c_after(what: str, group: Any) -> Iterator[None]:
+    """With several ranks, a first Ctrl-C inside the block is raised when the block ends; a
+    second one at once (in the main thread, and only while SIGINT has Python's default handler).
+
+    A multi-rank save or load is a fixed sequence of exchanges every rank must enter: a Ctrl-C
+    raised on one rank while it waited in one left the exchange half done and the other ranks
+    waiting in it until the process group's timeout, or aborting on a mismatched collective
+    (found by an outside attack; a rank that finished its part first waits there most of the
+    time). Held, the save or load ends the same way on every rank, then the interrupt is
+    raised; a second Ctrl-C is for a rank that really hangs.
+    """
+    if D.get_world_size(group) == 1 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        held = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    except (ValueError, AttributeError):  # pragma: no cover - no signals here
+        held = False
+    if not held:
+        yield
+        return
+    caught: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        if caught:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        caught.append(signum)
+        log.warning("Ctrl-C: %s finishes on every rank first, then stops; press Ctrl-C again to stop now", what)
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is note:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt

@@ -29,6 +29,7 @@ from ..errors import ConfigurationError
 from ..storage import storage_for
 from ..storage.layout import COMMIT_RECORD
 from . import discovery, loading
+from .agreement import ctrl_c_after
 from .async_runner import AsyncRunner
 from .commit import commit_method_for
 from .deleter import Deleter, clean_save_folder, remove_checkpoint
@@ -163,7 +164,7 @@ class Checkpointer:
         anyone.depth = getattr(anyone, "depth", 0) + 1
         try:
             # The caller waits for the whole save: the collector's pauses cost it nothing here.
-            with paused_gc():
+            with paused_gc(), ctrl_c_after(f"the save of step {step}", self.process_group):
                 tensors, meta = capture_to_write(state)
                 payload = train_payload(step, train_state, meta)
                 result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked)
@@ -377,7 +378,7 @@ class Checkpointer:
         self._runner.refuse_inside("Checkpointer.load()")
         self._refuse_in_sync_save("Checkpointer.load()", by_any=True)
         # The caller waits for the whole load (see gcpause for why the collector is paused).
-        with paused_gc():
+        with paused_gc(), ctrl_c_after(f"the load of {path}", self.process_group):
             return loading.load(self, path, state, check_train_state)
 
     # ------------------------------------------------------------------ removal
