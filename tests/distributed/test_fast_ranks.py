@@ -525,10 +525,15 @@ def test_a_load_in_one_ranks_sync_save_hook_fails_the_save_on_every_rank(tmp_pat
     # timeout. Refused before anything changes, the error reaches every rank together.
     out = run_ranks(2, workers.load_inside_a_sync_save_on_one_rank, str(tmp_path / "ck"), out=tmp_path / "o",
                     timeout=120)  # fmt: skip
-    values = _ok(out)
-    assert "Checkpointer.load()" in values[1]["error"] and "inside a synchronous save" in values[1]["error"], values
+    _failed_everywhere(_ok(out), ("Checkpointer.load()", "inside a synchronous save"), [1, 3])
+
+
+def _failed_everywhere(values: list[dict[str, Any]], named: tuple[str, ...], steps: list[int]) -> None:
+    """Every rank's save or load failed with nothing changed, rank 1's error saying each of
+    ``named``, and each rank then found the checkpoints of ``steps``."""
+    assert all(n in values[1]["error"] for n in named), values
     for value in values:
-        assert value["error"] and value["unchanged"] and value["steps"] == [1, 3], value
+        assert value["error"] and value["unchanged"] and value["steps"] == steps, value
 
 
 @pytest.mark.parametrize("how", ["sync", "async", "load"])
@@ -537,10 +542,7 @@ def test_a_shard_whose_memory_was_shrunk_on_one_rank_fails_every_rank(tmp_path: 
     # was written from past its memory's end (or read into it), here after a save whose plan the
     # next one would have reused.
     out = run_ranks(2, workers.shrunk_shard_on_one_rank, str(tmp_path / "ck"), how, out=tmp_path / "o", timeout=120)
-    values = _ok(out)
-    assert "0.weight" in values[1]["error"] and "storage" in values[1]["error"], values
-    for value in values:
-        assert value["error"] and value["untouched"] and value["steps"] == [1, 2], value
+    _failed_everywhere(_ok(out), ("0.weight", "storage"), [1, 2])
 
 
 @pytest.mark.parametrize("what", ["save", "load", "exit"])

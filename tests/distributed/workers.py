@@ -737,7 +737,7 @@ def shrunk_shard_on_one_rank(rank: int, folder: str, how: str) -> dict[str, Any]
         error = str(exc)
     steps = [s for s, _ in ckpt.find_checkpoints(folder)]
     ckpt.close()
-    return {"error": error, "steps": steps, "untouched": state_digest(target[2]) == before}
+    return {"error": error, "steps": steps, "unchanged": state_digest(target[2]) == before}
 
 
 def interrupted_on_one_rank(rank: int, folder: str, what: str) -> dict[str, Any]:

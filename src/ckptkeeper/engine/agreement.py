@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
@@ -26,6 +24,7 @@ from ..errors import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
 )
+from .async_runner import ctrl_c_held
 
 __all__ = ["agree", "ctrl_c_after", "load_error", "lost_rank_error", "save_error", "unwrap"]
 
@@ -145,7 +144,7 @@ _GRAVITY = {"CorruptCheckpointError": 1, "UnsafeCheckpointError": 2}
 @contextlib.contextmanager
 def ctrl_c_after(what: str, group: Any) -> Iterator[None]:
     """With several ranks, a first Ctrl-C inside the block is raised when the block ends; a
-    second one at once (in the main thread, and only while SIGINT has Python's default handler).
+    second one at once (see :func:`~ckptkeeper.engine.async_runner.ctrl_c_held`).
 
     A multi-rank save or load is a fixed sequence of exchanges every rank must enter: a Ctrl-C
     raised on one rank while it waited in one left the exchange half done and the other ranks
@@ -154,30 +153,12 @@ def ctrl_c_after(what: str, group: Any) -> Iterator[None]:
     time). Held, the save or load ends the same way on every rank, then the interrupt is
     raised; a second Ctrl-C is for a rank that really hangs.
     """
-    if D.get_world_size(group) == 1 or threading.current_thread() is not threading.main_thread():
+    if D.get_world_size(group) == 1:
         yield
         return
-    try:
-        held = signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    except (ValueError, AttributeError):  # pragma: no cover - no signals here
-        held = False
-    if not held:
-        yield
-        return
-    caught: list[int] = []
 
-    def note(signum: int, frame: Any) -> None:
-        if caught:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        caught.append(signum)
+    def told() -> None:
         log.warning("Ctrl-C: %s finishes on every rank first, then stops; press Ctrl-C again to stop now", what)
 
-    signal.signal(signal.SIGINT, note)
-    try:
+    with ctrl_c_held(told):
         yield
-    finally:
-        if signal.getsignal(signal.SIGINT) is note:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-    if caught:
-        raise KeyboardInterrupt

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import ConfigurationError
 
-__all__ = ["AsyncRunner", "is_outcome"]
+__all__ = ["AsyncRunner", "ctrl_c_held", "is_outcome"]
 
 T = TypeVar("T")
 
@@ -26,9 +26,10 @@ log = logging.getLogger("ckptkeeper.engine.checkpointer")
 
 
 @contextlib.contextmanager
-def _ctrl_c_held() -> Iterator[None]:
+def ctrl_c_held(on_first: Callable[[], None] | None = None) -> Iterator[None]:
     """Ctrl-C arriving inside the block is raised as it ends (in the main thread, where Python
     raises it, and only while SIGINT has Python's default handler: anyone else's stays in charge).
+    With ``on_first`` (called at the first), a second Ctrl-C is raised at once.
 
     Handing a job to the writer thread and recording it must happen together: interrupted in
     between, a save would run with nothing waiting for it (found by an outside attack).
@@ -46,7 +47,12 @@ def _ctrl_c_held() -> Iterator[None]:
     caught: list[int] = []
 
     def note(signum: int, frame: Any) -> None:
+        if caught and on_first is not None:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
         caught.append(signum)
+        if on_first is not None:
+            on_first()
 
     signal.signal(signal.SIGINT, note)
     try:
@@ -56,8 +62,8 @@ def _ctrl_c_held() -> Iterator[None]:
         # ran inside the block) is somebody's choice.
         if signal.getsignal(signal.SIGINT) is note:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-        if caught:
-            raise KeyboardInterrupt
+    if caught:
+        raise KeyboardInterrupt
 
 
 class AsyncRunner(Generic[T]):
@@ -109,7 +115,7 @@ class AsyncRunner(Generic[T]):
             recorded.wait()
             return job()
 
-        with _ctrl_c_held():
+        with ctrl_c_held():
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
             try:
