@@ -856,6 +856,10 @@ def ctrl_c_while_waiting_in_an_exchange(rank: int, folder: str, what: str) -> di
         if armed[0]:
             armed[0] = False
             hold_up()
+            if what == "failing load" and rank == 0:
+                raise ValueError("not this one")  # the load fails on every rank, Ctrl-C held on rank 1
+
+    from ckptkeeper import CheckpointError
 
     ckpt = Checkpointer(on_stage=hook)
     st = TrainingState(model, opt)
@@ -867,8 +871,8 @@ def ctrl_c_while_waiting_in_an_exchange(rank: int, folder: str, what: str) -> di
             ckpt.save(folder, 2, st)
         else:
             ckpt.load(f"{folder}/step1", st, check)
-    except KeyboardInterrupt:
-        seen = "KeyboardInterrupt"
+    except (KeyboardInterrupt, CheckpointError) as exc:
+        seen = type(exc).__name__
     ckpt.save(folder, 3, st)
     ckpt.load(f"{folder}/step3", st)
     steps = [s for s, _ in ckpt.find_checkpoints(folder)]

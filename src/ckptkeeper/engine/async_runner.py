@@ -57,6 +57,12 @@ def ctrl_c_held(on_first: Callable[[], None] | None = None) -> Iterator[None]:
     signal.signal(signal.SIGINT, note)
     try:
         yield
+    except BaseException as exc:
+        # A Ctrl-C held while the block failed still stops the caller: raised as the error was,
+        # a restore went on to the next checkpoint as if it had not been pressed.
+        if caught and not isinstance(exc, KeyboardInterrupt):
+            raise KeyboardInterrupt from exc
+        raise
     finally:
         # Put back only our own change: a handler installed meanwhile (by a signal handler that
         # ran inside the block) is somebody's choice.
