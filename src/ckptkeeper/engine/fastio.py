@@ -53,7 +53,7 @@ from ..storage.base import Upload
 from ..storage.local import open_regular
 from .gcpause import paused_gc
 from .record import FileEntry, new_hasher
-from .state import SavedTensor, memory_shortfall, short_memory_error
+from .state import SavedTensor, refuse_short_memory
 
 __all__ = ["DATA_FILE", "Segment", "can_use_fast_path", "parse_layout", "read_fast", "write_fast"]
 
@@ -459,12 +459,10 @@ def exact(t: torch.Tensor, name: str = "a tensor") -> torch.Tensor:
     it is: only its own bytes are written, under the head and tail of a compact tensor of its shape
     (:func:`_skeleton`), which is what ``torch.save`` of a compact copy would write. Copying it
     first cost a memory copy per such tensor, and asking for its storage a Python object per tensor.
-    A tensor whose memory is shorter than its shape (:func:`memory_shortfall`) raises
+    A tensor whose memory is shorter than its shape (:func:`~ckptkeeper.engine.state.memory_shortfall`) raises
     :class:`ConfigurationError` naming it (``name``).
     """
-    short = memory_shortfall(t)
-    if short is not None:
-        raise short_memory_error(name, *short)
+    refuse_short_memory(name, t)
     if t.is_nested:
         refuse_unsaveable(name, t)
     if t.requires_grad:

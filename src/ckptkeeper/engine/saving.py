@@ -231,16 +231,21 @@ def write_checkpoint(
             streamed.append(rel)
         return upload
 
-    def check_for_dcp(plain: Mapping[str, Any] | None = None) -> None:
+    def check_for_dcp() -> None:
         # DCP's writer copies each tensor's memory without asking how long it is, and fails on
         # what it cannot store with words that name no tensor. It runs collectives of its own:
         # with several ranks this check is a round of its own before it, or a rank refusing
-        # here left the others waiting inside DCP's (found by an outside attack).
-        plain = detached_tree(tensors) if plain is None else plain
+        # here left the others waiting inside DCP's (found by an outside attack). The tree it
+        # checks is the one DCP's writer is given (made once, kept in dcp_tree).
+        # As capture() gives them: a save's capture leaves parameters as the model holds them
+        # (a Parameter subclass would be refused below, and DCP would record requires_grad in
+        # its metadata).
+        plain = detached_tree(tensors)
         check_plain(plain)
         short = staging_need(plain)[1]
         if short is not None:
             raise short
+        dcp_tree.append(plain)
 
     def write_tensors() -> None:
         enter("writing tensors")
@@ -268,13 +273,9 @@ def write_checkpoint(
                 upload = sink(f"{MODEL_DIR}/{DATA_FILE}")
                 out = write_fast(model_dir, leaves, threads=settings.io_threads, sink=upload)
             else:
-                # As capture() gives them: a save's capture leaves parameters as the model holds
-                # them (a Parameter subclass would be refused below, and DCP would record
-                # requires_grad in its metadata).
-                plain = detached_tree(tensors)
-                if world == 1:
-                    check_for_dcp(plain)  # (several ranks agreed on it in a round of its own)
-                saved = _write_with_dcp(settings, model_dir, plain, world)
+                if not dcp_tree:
+                    check_for_dcp()  # one process (several ranks ran it in a round of its own)
+                saved = _write_with_dcp(settings, model_dir, dcp_tree[0], world)
                 expected.update(
                     f"{MODEL_DIR}/{rel}" for rel in saved if world == 1 or _written_by(f"{MODEL_DIR}/{rel}", rank)
                 )
@@ -323,6 +324,7 @@ def write_checkpoint(
 
     shard: list[ShardPlan] = []
     sharded = False
+    dcp_tree: list[dict[str, Any]] = []  # what DCP's writer is given, once check_for_dcp made and checked it
     my_layout: list[tuple[ShardLayout, tuple[str, ...]]] = []
     streamed: list[str] = []
     all_layouts: list[tuple[ShardLayout, tuple[str, ...]]] = []
@@ -502,9 +504,11 @@ def _free_bytes(path: str) -> int:
 
 
 def staging_need(tree: Mapping[str, Any]) -> tuple[int, ConfigurationError | None]:
-    """:func:`tensor_bytes` of ``tree``, and the error for its first tensor whose memory is shorter
-    than its shape (:func:`~ckptkeeper.engine.state.memory_shortfall`; None when there is none),
-    in one pass: staging copies each tensor's memory without asking how long it is."""
+    """:func:`tensor_bytes` of ``tree``, and the error for its first tensor that cannot be copied
+    as it is (sparse, nested or meta: :func:`~ckptkeeper.engine.fastio.refuse_unsaveable`; memory
+    shorter than its shape: :func:`~ckptkeeper.engine.state.memory_shortfall`), or None, in one
+    pass: staging and DCP's writer copy each tensor's memory without asking how long it is. The
+    error is returned, not raised: the caller raises it once every rank knows."""
     total = 0
     problem: ConfigurationError | None = None
     strided = torch.strided
@@ -516,10 +520,12 @@ def staging_need(tree: Mapping[str, Any]) -> tuple[int, ConfigurationError | Non
                 try:
                     refuse_unsaveable(path, local)
                 except ConfigurationError as exc:
-                    problem = exc  # raised once every rank knows (see Checkpointer.save_async)
+                    problem = exc
             continue
         total += local.nbytes
         if problem is None:
+            # memory_shortfall itself, not refuse_short_memory: this runs per tensor per async
+            # save, and a call and a DTensor check more cost 4 ms per 10,000 tensors.
             short = memory_shortfall(local)
             if short is not None:
                 problem = short_memory_error(path, *short)

@@ -94,6 +94,14 @@ def memory_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     return (need, have) if need > have else None
 
 
+def refuse_short_memory(name: str, t: torch.Tensor) -> None:
+    """Raise :func:`short_memory_error` for ``t`` (a DTensor's local shard) when its memory is
+    shorter than its shape (:func:`memory_shortfall`)."""
+    short = memory_shortfall(t._local_tensor if isinstance(t, DTensor) else t)
+    if short is not None:
+        raise short_memory_error(name, *short)
+
+
 def short_memory_error(name: str, need: int, have: int) -> ConfigurationError:
     """The error for a tensor :func:`memory_shortfall` found short, naming it."""
     return ConfigurationError(
@@ -948,9 +956,7 @@ class TrainingState:
             now_t, now_m = self.capture()
             for path, t in _leaves(now_t):
                 fit.take(".".join(path), t)
-                found = memory_shortfall(t._local_tensor if isinstance(t, DTensor) else t)
-                if found is not None:
-                    raise short_memory_error(".".join(path), *found)
+                refuse_short_memory(".".join(path), t)
             fit.raise_if_strict(True)
             apply = dict(now_m if saved_meta is None else saved_meta)
             back = {"tensors": now_t, "meta": now_m}
@@ -971,24 +977,17 @@ class TrainingState:
         known: set[str] = set()
         model_t: dict[str, Any] = {}
         unmade: list[str] = []  # on the meta device: no memory to read into
-        short: tuple[int, int] | None = None  # the first whose storage was shrunk under it
-        short_name = ""
         for path, t in _leaves(cur_t):
             key = "model." + ".".join(path)
             known.add(key)
             if fit.take(key, t):
                 _put(model_t, path, t)
                 flat.append((key, t))
-                local = t._local_tensor if isinstance(t, DTensor) else t
-                if local.is_meta:
+                if (t._local_tensor if isinstance(t, DTensor) else t).is_meta:
                     unmade.append(key[len("model.") :])
-                elif short is None:
+                else:
                     # Reads write its memory straight: past a shrunk storage's end is the heap.
-                    short = memory_shortfall(local)
-                    if short is not None:
-                        short_name = key[len("model.") :]
-        if short is not None:
-            raise short_memory_error(short_name, *short)
+                    refuse_short_memory(key[len("model.") :], t)
         if unmade:
             more = f" (and {len(unmade) - 1} more)" if len(unmade) > 1 else ""
             raise ConfigurationError(
@@ -1038,9 +1037,7 @@ class TrainingState:
                     path = _split_rest(node, key[len(f"extra.{name}.") :])
                     cur = current.get(path)
                     if cur is not None and _shape(cur) == info.shape and cur.dtype == info.dtype:
-                        found = memory_shortfall(cur._local_tensor if isinstance(cur, DTensor) else cur)
-                        if found is not None:
-                            raise short_memory_error(key, *found)
+                        refuse_short_memory(key, cur)
                         t = cur  # read in place, as the model is
                         _put(live["extra"].setdefault(name, {}), path, cur)
                     elif cur is not None and _shape(cur) == info.shape:
