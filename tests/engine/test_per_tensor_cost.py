@@ -1056,3 +1056,48 @@ def test_without_a_backup_no_unchecked_byte_reaches_a_destination(tmp_path: Path
     with pytest.raises(CorruptCheckpointError, match=r"t31 \(data\)"):
         read_pieces(LocalSource(str(tmp_path)), reads, verify=True, threads=2)
     assert torch.equal(dests[31], torch.full_like(values[31], -1.0))  # one job: none of it was copied in
+
+
+_UNREADABLE = {
+    "sparse_coo": (lambda: torch.eye(3).to_sparse(), "is a sparse_coo tensor.*plain"),
+    "sparse_csr": (lambda: torch.eye(3).to_sparse_csr(), "is a sparse_csr tensor.*plain"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.ones(3)] * 3), "is a nested tensor.*plain"),
+    # Its rows are one row's memory: torch refused the write, and putting it back failed too.
+    "expanded": (lambda: torch.zeros(3).expand(3, 3), "elements share memory.*clone"),
+}
+
+
+@pytest.mark.parametrize("where", ["model", "extra", "generic"])
+@pytest.mark.parametrize("kind", list(_UNREADABLE))
+def test_a_load_into_a_tensor_it_cannot_read_into_is_refused_by_name(tmp_path: Path, where: str, kind: str) -> None:
+    # Found by an outside attack: a nested destination failed with torch's "Internal error:
+    # NestedTensorImpl doesn't support sizes. Please file an issue.", a sparse one with a
+    # mismatch error quoting torch's copy_ and naming no tensor.
+    from ckptkeeper import ConfigurationError, TrainingState
+
+    make, what = _UNREADABLE[kind]
+    bias = torch.arange(3.0)
+    if where == "generic":
+        Checkpointer().save(str(tmp_path), 1, _FixedState({"w": {"a": torch.eye(3) * 2, "b": torch.ones(3)}}))
+        tree = {"w": {"a": make(), "b": bias.clone()}}
+        st: Any = _FixedState(tree)
+        name, kept = r"w\.a", lambda: tree["w"]["b"]
+    elif where == "extra":
+        saved = _Extra({"a": torch.eye(3) * 2})
+        Checkpointer().save(str(tmp_path), 1, TrainingState(torch.nn.Linear(3, 3), extra={"x": saved}))
+        extra = _Extra({"a": make()})
+        st = TrainingState(torch.nn.Linear(3, 3), extra={"x": extra})
+        with torch.no_grad():
+            st.model.bias.copy_(bias)
+        name, kept = r"extra\.x\.a", lambda: st.model.bias
+    else:
+        Checkpointer().save(str(tmp_path), 1, TrainingState(torch.nn.Linear(3, 3)))
+        model = torch.nn.Linear(3, 3)
+        model.weight = torch.nn.Parameter(make(), requires_grad=False)
+        with torch.no_grad():
+            model.bias.copy_(bias)
+        st = TrainingState(model)
+        name, kept = "weight", lambda: model.bias
+    with pytest.raises(ConfigurationError, match=rf"{name}: .*{what}"):
+        Checkpointer().load(str(tmp_path / "step1"), st)
+    assert torch.equal(kept(), bias)  # nothing was read

@@ -2,7 +2,8 @@
 the parameters it has unsharded) claims more memory than it has. Saves read each tensor's bytes
 straight from its memory, so such a tensor crashed the process (storage resized to 0) or was
 written with bytes from past its end that verify then vouched for (resized to half). Every save
-and load must refuse it with an error naming the tensor, and change nothing.
+and load must refuse it with an error naming the tensor, and change nothing; so must
+``state_digest``, which reads every value too.
 
 The cases run in child processes: the failure this guards against is a crash."""
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-_HOWS = ("sync", "again", "async", "load", "load extra")
+_HOWS = ("sync", "again", "async", "load", "load extra", "digest")
 
 _CASES = r"""
 import json, os, sys, torch
@@ -47,6 +48,8 @@ def case(how, folder):
             ck.save(folder, 3, st)
         elif how == "async":
             ck.save_async(folder, 3, st)[1].result()
+        elif how == "digest":
+            state_digest(model, opt)  # reads every value too: hashed past the end, or crashed
         elif how == "load extra":
             other = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
             ck.save(folder, 2, TrainingState(other, extra={"b": Buf(torch.arange(1 << 16, dtype=torch.float32))}))

@@ -102,6 +102,31 @@ def refuse_short_memory(name: str, t: torch.Tensor) -> None:
         raise short_memory_error(name, *short)
 
 
+def refuse_unloadable(name: str, local: torch.Tensor) -> None:
+    """ConfigurationError naming ``name`` when a load cannot read into ``local`` (a tensor, or a
+    DTensor's local shard) in place: sparse (any layout), nested, or with elements that share
+    memory (an ``expand()``). Torch's own words for those name no tensor, a nested one's
+    ("Internal error ... Please file an issue") blames torch, and an expanded one's came after
+    the load had begun, whose undo then failed on it as well."""
+    if local.is_nested or (local.layout is not torch.strided and local.layout is not getattr(torch, "_mkldnn", None)):
+        kind = "nested" if local.is_nested else str(local.layout).removeprefix("torch.")
+        raise ConfigurationError(
+            f"cannot load into {name[:200]}: it is a {kind} tensor, and a load reads values into plain (dense, "
+            "strided) tensors in place; make it a plain tensor before loading (e.g. to_dense(), or a torch.empty "
+            "of its shape) and convert it after"
+        )
+    # A contiguous tensor's elements are all its own; the usual case stops at that one question.
+    if (
+        local.layout is torch.strided
+        and not local.is_contiguous()
+        and any(st == 0 and n > 1 for n, st in zip(local.shape, local.stride(), strict=True))
+    ):
+        raise ConfigurationError(
+            f"cannot load into {name[:200]}: its elements share memory (a view made by expand() or with a "
+            "zero stride), so they cannot each take a value; give it memory of its own first (clone()), then load"
+        )
+
+
 def short_memory_error(name: str, need: int, have: int) -> ConfigurationError:
     """The error for a tensor :func:`memory_shortfall` found short, naming it."""
     return ConfigurationError(
@@ -955,6 +980,7 @@ class TrainingState:
         if self._generic():
             now_t, now_m = self.capture()
             for path, t in _leaves(now_t):
+                refuse_unloadable(".".join(path), t._local_tensor if isinstance(t, DTensor) else t)
                 fit.take(".".join(path), t)
                 refuse_short_memory(".".join(path), t)
             fit.raise_if_strict(True)
@@ -980,10 +1006,12 @@ class TrainingState:
         for path, t in _leaves(cur_t):
             key = "model." + ".".join(path)
             known.add(key)
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            refuse_unloadable(key[len("model.") :], local)  # before take(): a nested tensor has no shape
             if fit.take(key, t):
                 _put(model_t, path, t)
                 flat.append((key, t))
-                if (t._local_tensor if isinstance(t, DTensor) else t).is_meta:
+                if local.is_meta:
                     unmade.append(key[len("model.") :])
                 else:
                     # Reads write its memory straight: past a shrunk storage's end is the heap.
@@ -1036,6 +1064,8 @@ class TrainingState:
                     info = fit.info(key)
                     path = _split_rest(node, key[len(f"extra.{name}.") :])
                     cur = current.get(path)
+                    if cur is not None:
+                        refuse_unloadable(key, cur._local_tensor if isinstance(cur, DTensor) else cur)
                     if cur is not None and _shape(cur) == info.shape and cur.dtype == info.dtype:
                         refuse_short_memory(key, cur)
                         t = cur  # read in place, as the model is
@@ -1284,11 +1314,14 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """SHA-256 of every model and optimizer tensor (full, unsharded values), by parameter name.
 
     Comparable across runs and world sizes: two digests are equal exactly when the weights and
-    optimizer state are bit-identical.
+    optimizer state are bit-identical. Raises :class:`ConfigurationError` naming a tensor whose
+    storage was resized under it (its values are not all in memory).
     """
     tensors, _ = TrainingState(model, optimizer).capture()
     h = hashlib.sha256()
     for path, t in sorted(flatten_tensors(tensors), key=lambda p: p[0]):
+        # Its bytes are read below: past a shrunk storage's end they are whatever lies there.
+        refuse_short_memory(path, t)
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         # A lazy conjugate or negation has no byte view of its values: they are made first.
         data = full.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
