@@ -1017,3 +1017,44 @@ def test_an_object_store_save_whose_uploads_vanish_fails_and_publishes_nothing(d
             ckpt.save(folder, 2, st)
     assert ckpt.find_checkpoints(folder) == [(1, store.join(folder, "step1"))]
     ckpt.close()
+
+
+@pytest.mark.parametrize("taken_by", ["result", "exception"])
+def test_a_failure_read_from_the_future_is_not_raised_again_by_the_next_save(tmp_path: Path, taken_by: str) -> None:
+    # The README's own pattern (fut.result() to learn how a save went): a caller that read the
+    # failure there and went on training got it raised again by its next save, which then saved
+    # nothing; and wait() raised it a third time.
+    def fail_in_background(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing tensors":
+            raise OSError(errno.EIO, "disk went away")
+
+    ckpt = Checkpointer(on_stage=fail_in_background)
+    st = _state()
+    _, fut = ckpt.save_async(str(tmp_path), 1, st)
+    if taken_by == "result":
+        with pytest.raises(CheckpointSaveError, match="disk went away"):
+            fut.result()
+    else:
+        assert "disk went away" in str(fut.exception())
+    assert ckpt.wait() is None
+    assert ckpt.wait_for(fut) is None  # raised once in all: by the future
+    ckpt.save_async(str(tmp_path), 2, st)[1].result()
+    ckpt.save(str(tmp_path), 3, st)
+    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [2, 3]
+    ckpt.close()
+
+
+def test_a_failure_nobody_read_is_still_raised_by_the_next_save(tmp_path: Path) -> None:
+    def fail_in_background(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing tensors":
+            raise OSError(errno.EIO, "disk went away")
+
+    ckpt = Checkpointer(on_stage=fail_in_background)
+    st = _state()
+    _, fut = ckpt.save_async(str(tmp_path), 1, st)
+    concurrent.futures.wait([fut])  # done, its outcome not read
+    with pytest.raises(CheckpointSaveError, match="disk went away"):
+        ckpt.save(str(tmp_path), 2, st)
+    ckpt.save(str(tmp_path), 2, st)
+    assert [s for s, _ in ckpt.find_checkpoints(str(tmp_path))] == [2]
+    ckpt.close()
