@@ -800,7 +800,8 @@ class _Box:
 
 def unsaveable_extra_on_one_rank(rank: int, folder: str, kind: str, background: bool) -> dict[str, Any]:
     """Rank 1 alone holds an extra that cannot be saved (``sparse``: CSR; ``shrunk``: storage
-    resized under it; ``meta``; the save going through DCP's writer or async staging). Every rank
+    resized under it; ``meta``; ``no memory``: its staging buffers cannot be allocated; the save
+    going through DCP's writer or async staging). Every rank
     must fail the save together (rank 1 naming the tensor), and then save again."""
     from ckptkeeper import CkptkeeperError
 
@@ -810,19 +811,29 @@ def unsaveable_extra_on_one_rank(rank: int, folder: str, kind: str, background: 
             t = torch.eye(4).to_sparse_csr()
         elif kind == "shrunk":
             t.untyped_storage().resize_(8)
-        else:
+        elif kind == "meta":
             t = torch.empty(8, device="meta")
     box = _Box(t)
     st = TrainingState(nn.Linear(2, 2), extra={"b": box})
     ckpt = Checkpointer(writer="dcp")
     error = ""
+    allocate = torch.empty_like
+    if kind == "no memory" and rank == 1:
+        # Host memory runs out while rank 1 allocates its staging buffers, after the ranks agreed.
+
+        def no_memory(*args: Any, **kwargs: Any) -> torch.Tensor:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 32 bytes")
+
+        torch.empty_like = no_memory  # type: ignore[assignment]
     try:
         if background:
             ckpt.save_async(folder, 1, st)[1].result()
         else:
             ckpt.save(folder, 1, st)
-    except CkptkeeperError as exc:
+    except (CkptkeeperError, RuntimeError) as exc:
         error = str(exc)
+    finally:
+        torch.empty_like = allocate  # type: ignore[assignment]
     box.t = torch.arange(8.0)
     ckpt.save(folder, 2, st)
     steps = [s for s, _ in ckpt.find_checkpoints(folder)]

@@ -189,7 +189,9 @@ class Checkpointer:
         Returns the checkpoint's final path and a future of its :class:`SaveResult`. The state may be
         changed as soon as this returns. A save still in flight is waited for first (its error, if
         any, is raised here). A failed background write raises :class:`CheckpointSaveError` from the
-        future, naming the step and file.
+        future, naming the step and file; read there (``result()`` or ``exception()``), it is not
+        raised again by the next save or :meth:`wait`. With several ranks, a staging copy that fails
+        on one rank (out of memory, say) fails the save on every rank, from each one's future.
         """
         self._runner.refuse_inside("Checkpointer.save_async()")
         self._refuse_in_sync_save("Checkpointer.save_async()")
@@ -236,15 +238,32 @@ class Checkpointer:
                 self.save(save_folder, step, state, train_state=train_state, ephemeral=ephemeral, metrics=checked)
             )
             return final_path(save_folder, step), done
+        failed: Exception | None = None
+        staged: Callable[[], dict[str, Any]] = dict
+        payload = b""
         with paused_gc():
-            staged = self._stager.stage_lazily(tensors)
-            payload = train_payload(step, train_state, meta)
+            try:
+                staged = self._stager.stage_lazily(tensors)
+                payload = train_payload(step, train_state, meta)
+            except Exception as exc:
+                # The ranks have agreed to save: failing here alone (host memory running out in
+                # the copy, say) left the others' background saves to run without this rank.
+                # The save goes on to its first round, where it fails on every rank together.
+                if D.get_world_size(self.process_group) == 1:
+                    raise
+                self._stager.release()  # perhaps half made
+                failed = exc
         blocked = time.perf_counter() - t0
 
         def run() -> SaveResult:
-            with paused_gc():
-                tree = staged()
-            r = self._write(save_folder, step, tree, payload, ephemeral, t0, checked)
+            problem, tree = failed, {}
+            if problem is None:
+                try:
+                    with paused_gc():
+                        tree = staged()
+                except Exception as exc:
+                    problem = exc
+            r = self._write(save_folder, step, tree, payload, ephemeral, t0, checked, problem)
             result = dataclasses.replace(r, blocked_s=blocked)
             emit_save(result, is_async=True)
             return result
@@ -295,7 +314,8 @@ class Checkpointer:
         """Stop tracking ``fut`` as the save in flight: its caller collected its outcome (or error).
 
         Without this, the next save (which waits for the one in flight first) would raise the
-        same failure a second time.
+        same failure a second time. Not needed after the future's own ``result()`` or
+        ``exception()`` has given the failure: that counts as collected.
         """
         self._runner.forget(fut)
 
@@ -321,11 +341,12 @@ class Checkpointer:
         ephemeral: bool,
         t0: float,
         metrics: Mapping[str, float] | None = None,
+        failed: Exception | None = None,
     ) -> SaveResult:
         # Settings are read now: the manager may give the checkpointer its process group late.
         settings = SaveSettings(self.process_group, self.writer, self.io_threads, self.on_stage, self._save_memo)
         commit = commit_method_for(storage_for(save_folder), self.remove, self.spool_dir, self.upload_threads)
-        return write_checkpoint(settings, commit, save_folder, step, tensors, payload, ephemeral, t0, metrics)
+        return write_checkpoint(settings, commit, save_folder, step, tensors, payload, ephemeral, t0, metrics, failed)
 
     # ------------------------------------------------------------------ discovery
 

@@ -187,8 +187,14 @@ def write_checkpoint(
     ephemeral: bool,
     t0: float,
     metrics: Mapping[str, float] | None = None,
+    failed: Exception | None = None,
 ) -> SaveResult:
-    """Write and commit the checkpoint of ``step`` (every rank calls this together)."""
+    """Write and commit the checkpoint of ``step`` (every rank calls this together).
+
+    ``failed``: this rank's failure before it got here, after the ranks had agreed to save (an
+    async save's staging copy ran out of memory, say). It is raised in the first round, so that
+    every rank fails the save together instead of the others saving without this rank.
+    """
     storage = commit.storage
     retries_before = getattr(storage, "retries", 0)
     final = storage.join(save_folder, step_dir_name(step))
@@ -203,13 +209,15 @@ def write_checkpoint(
     # record, and the save committed without it; found by an outside attack).
     expected: set[str] = set()
     extra: dict[str, Any] = {"metrics": dict(metrics)} if metrics else {}
-    stage = "preparing"
+    stage = "preparing" if failed is None else "staging the tensors"
 
     def enter(name: str) -> None:
         if settings.on_stage is not None:
             settings.on_stage(SaveStage(name, step, rank, work, final))
 
     def prepare() -> str | None:
+        if failed is not None:
+            raise failed
         enter("preparing")
         with translate_os_error(work):
             os.makedirs(os.path.join(work, MODEL_DIR), exist_ok=True)
@@ -354,7 +362,8 @@ def write_checkpoint(
         agree(publish, step, pg)
     except BaseException as raw:
         exc = unwrap(raw)
-        discard_final = final if rank == 0 and stage != "preparing" else None
+        # Rank 0 prepares the final path in the first round: anything earlier left it alone.
+        discard_final = final if rank == 0 and stage not in ("preparing", "staging the tensors") else None
         if not isinstance(exc, Exception):
             # Ctrl-C or SystemExit (raised here, or inside DCP's writer, which wraps it): the save
             # is dropped (its work folder was left behind; found by an outside attack) and the
