@@ -108,8 +108,12 @@ def refuse_unloadable(name: str, local: torch.Tensor) -> None:
     memory (an ``expand()``). Torch's own words for those name no tensor, a nested one's
     ("Internal error ... Please file an issue") blames torch, and an expanded one's came after
     the load had begun, whose undo then failed on it as well."""
-    if local.is_nested or (local.layout is not torch.strided and local.layout is not getattr(torch, "_mkldnn", None)):
-        kind = "nested" if local.is_nested else str(local.layout).removeprefix("torch.")
+    try:
+        nested, layout = local.is_nested, local.layout
+    except (NotImplementedError, RuntimeError):
+        return  # a wrapper that answers none of this (FSDP1's ShardedTensor): DCP's reader loads it
+    if nested or (layout is not torch.strided and layout is not getattr(torch, "_mkldnn", None)):
+        kind = "nested" if nested else str(layout).removeprefix("torch.")
         raise ConfigurationError(
             f"cannot load into {name[:200]}: it is a {kind} tensor, and a load reads values into plain (dense, "
             "strided) tensors in place; make it a plain tensor before loading (e.g. to_dense(), or a torch.empty "
@@ -117,7 +121,7 @@ def refuse_unloadable(name: str, local: torch.Tensor) -> None:
         )
     # A contiguous tensor's elements are all its own; the usual case stops at that one question.
     if (
-        local.layout is torch.strided
+        layout is torch.strided
         and not local.is_contiguous()
         and any(st == 0 and n > 1 for n, st in zip(local.shape, local.stride(), strict=True))
     ):
