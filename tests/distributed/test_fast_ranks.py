@@ -592,3 +592,15 @@ def test_ctrl_c_while_a_rank_waits_in_an_exchange_ends_the_save_alike_on_every_r
     assert (zero["seen"], one["seen"]) == (failed, "KeyboardInterrupt"), (zero, one)
     for value in (zero, one):
         assert value["steps"] == ([1, 2, 3] if what == "save" else [1, 3]), value
+
+
+def test_ctrl_c_in_one_ranks_staging_copy_is_raised_after_the_save_is_handed_over(tmp_path: Path) -> None:
+    # Found by reading save_async after the staging failure above: a Ctrl-C inside rank 1's
+    # staging copy (after the ranks agreed to save) was raised there at once, and rank 0's
+    # background save waited for rank 1 in its first exchange, which rank 1's next save then
+    # entered with the wrong step.
+    out = run_ranks(2, workers.ctrl_c_while_staging, str(tmp_path / "ck"), out=tmp_path / "o", timeout=120)
+    zero, one = _ok(out)
+    assert (zero["seen"], one["seen"]) == ("", "KeyboardInterrupt"), (zero, one)
+    for value in (zero, one):
+        assert value["steps"] == [1, 2], value

@@ -889,3 +889,34 @@ def ctrl_c_while_waiting_in_an_exchange(rank: int, folder: str, what: str) -> di
     steps = [s for s, _ in ckpt.find_checkpoints(folder)]
     ckpt.close()
     return {"seen": seen, "steps": steps}
+
+
+def ctrl_c_while_staging(rank: int, folder: str) -> dict[str, Any]:
+    """A real SIGINT reaches rank 1 inside its async save's staging copy, after the ranks agreed
+    to save. The save must still be made by every rank (the interrupt raised on rank 1 once it
+    is handed over), and both ranks must go on saving together."""
+    import signal
+
+    st = TrainingState(nn.Linear(4, 4))
+    ckpt = Checkpointer()
+    allocate = torch.empty_like
+    if rank == 1:
+
+        def interrupted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            torch.empty_like = allocate  # type: ignore[assignment]
+            os.kill(os.getpid(), signal.SIGINT)  # raised at the next line Python runs
+            return allocate(*args, **kwargs)
+
+        torch.empty_like = interrupted  # type: ignore[assignment]
+    seen = ""
+    try:
+        ckpt.save_async(folder, 1, st)
+    except KeyboardInterrupt:
+        seen = "KeyboardInterrupt"
+    finally:
+        torch.empty_like = allocate  # type: ignore[assignment]
+    ckpt.wait()
+    ckpt.save(folder, 2, st)
+    steps = [s for s, _ in ckpt.find_checkpoints(folder)]
+    ckpt.close()
+    return {"seen": seen, "steps": steps}

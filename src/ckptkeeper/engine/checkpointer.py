@@ -201,6 +201,24 @@ class Checkpointer:
         # A save whose outcome was collected elsewhere (forget(), an interrupted wait) may still be
         # writing from the staging buffers this one is about to fill.
         self._runner.settle()
+        # With several ranks, from the first exchange until the save is handed over, a Ctrl-C is
+        # held: raised inside the staging copy (after the ranks agreed to save), it left the
+        # other ranks' background saves waiting for this rank, whose next save then joined their
+        # exchanges with another step.
+        with ctrl_c_after(f"the hand-over of the async save of step {step}", self.process_group):
+            return self._hand_over(save_folder, step, state, train_state, ephemeral, checked, t0)
+
+    def _hand_over(
+        self,
+        save_folder: str,
+        step: int,
+        state: TrainingState,
+        train_state: Mapping[str, Any] | None,
+        ephemeral: bool,
+        checked: Mapping[str, float] | None,
+        t0: float,
+    ) -> tuple[str, Future[SaveResult]]:
+        """:meth:`save_async` once the previous save has ended: agree, stage, submit."""
         if D.is_distributed() and self.process_group is None:
             # Background collectives must not share a queue with training's: a group of their own
             # (every rank starts the same saves, so every rank creates it at the same call).
