@@ -1019,17 +1019,16 @@ def test_an_object_store_save_whose_uploads_vanish_fails_and_publishes_nothing(d
     ckpt.close()
 
 
-def _disk_gone_at_step1(stage: SaveStage) -> None:
-    if stage.step == 1 and stage.name == "writing tensors":
-        raise OSError(errno.EIO, "disk went away")
-
-
 @pytest.mark.parametrize("taken_by", ["result", "exception"])
 def test_a_failure_read_from_the_future_is_not_raised_again_by_the_next_save(tmp_path: Path, taken_by: str) -> None:
     # The README's own pattern (fut.result() to learn how a save went): a caller that read the
     # failure there and went on training got it raised again by its next save, which then saved
     # nothing; and wait() raised it a third time.
-    ckpt = Checkpointer(on_stage=_disk_gone_at_step1)
+    def fail_in_background(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing tensors":
+            raise OSError(errno.EIO, "disk went away")
+
+    ckpt = Checkpointer(on_stage=fail_in_background)
     st = _state()
     _, fut = ckpt.save_async(str(tmp_path), 1, st)
     if taken_by == "result":
@@ -1046,7 +1045,11 @@ def test_a_failure_read_from_the_future_is_not_raised_again_by_the_next_save(tmp
 
 
 def test_a_failure_nobody_read_is_still_raised_by_the_next_save(tmp_path: Path) -> None:
-    ckpt = Checkpointer(on_stage=_disk_gone_at_step1)
+    def fail_in_background(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing tensors":
+            raise OSError(errno.EIO, "disk went away")
+
+    ckpt = Checkpointer(on_stage=fail_in_background)
     st = _state()
     _, fut = ckpt.save_async(str(tmp_path), 1, st)
     concurrent.futures.wait([fut])  # done, its outcome not read
