@@ -873,7 +873,7 @@ class CheckpointManager:
             raise
         if self._future is fut:  # a signal handler's save may have started another meanwhile
             self._future = None
-        if fut.cancelled() or Future.exception(fut) is not None:
+        if fut.cancelled() or fut.exception() is not None:
             # It failed, and its error was raised by another waiter (the same on every rank: a
             # save fails on all ranks together, so none goes on to the round below).
             self._forget_failed(fut)
@@ -934,9 +934,7 @@ class CheckpointManager:
         self._pending = [item for item in self._pending if item not in ready]
         for i, (path, fut) in enumerate(ready):
             try:
-                # Future's own result(): the save's future's would collect a failure that the
-                # schedule is to raise (see _await_last).
-                result = Future.result(fut)
+                result = fut.result()
             except BaseException as exc:
                 if is_outcome(fut, exc):
                     # The save's own failure (a KeyboardInterrupt raised inside it too: it came

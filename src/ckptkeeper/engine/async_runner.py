@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import ConfigurationError
 
-__all__ = ["AsyncRunner", "JobFuture", "ctrl_c_held", "is_outcome"]
+__all__ = ["AsyncRunner", "ctrl_c_held", "is_outcome"]
 
 T = TypeVar("T")
 
@@ -72,41 +72,6 @@ def ctrl_c_held(on_first: Callable[[], None] | None = None) -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-class JobFuture(Future[T]):
-    """The future of a background job: a failure (or cancellation) read here, through
-    :meth:`result` or :meth:`exception`, counts as collected, as one raised by
-    :meth:`AsyncRunner.wait_for` does, and no later wait raises it again. A result read here is
-    still returned by the next wait.
-
-    Without this, a caller that learnt of a failed save from its future and went on had the
-    same failure raised again by its next save (which then saved nothing). Code that only looks
-    (the runner, the manager) reads through :class:`Future`'s own methods, which collect nothing.
-    """
-
-    def __init__(self, collect: Callable[[Future[T]], object]) -> None:
-        super().__init__()
-        self._on_read = collect
-
-    def result(self, timeout: float | None = None) -> T:
-        try:
-            return super().result(timeout)
-        except BaseException as exc:
-            if is_outcome(self, exc):  # not a timeout or an interrupted wait: the job's own end
-                self._on_read(self)
-            raise
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            exc = super().exception(timeout)
-        except concurrent.futures.CancelledError:
-            if self.cancelled():
-                self._on_read(self)
-            raise
-        if exc is not None:
-            self._on_read(self)
-        return exc
-
-
 class AsyncRunner(Generic[T]):
     """Runs one job at a time in the background and remembers the one in flight.
 
@@ -148,27 +113,19 @@ class AsyncRunner(Generic[T]):
         self.refuse_inside("starting another background save")
         inside = self._inside
         recorded = threading.Event()
-        fut: JobFuture[T] = JobFuture(self._collect)
 
-        def run() -> None:
+        def run() -> T:
             inside.writer = True
             # Not before the job is recorded as the one in flight: a hook's wait() in between
             # found none and went on without refusal (found by a flaky test under load).
             recorded.wait()
-            if not fut.set_running_or_notify_cancel():
-                return  # cancelled before it started
-            try:
-                value = job()
-            except BaseException as exc:  # a KeyboardInterrupt inside the job too, as the executor's own future
-                fut.set_exception(exc)
-            else:
-                fut.set_result(value)
+            return job()
 
         with ctrl_c_held():
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
             try:
-                self._executor.submit(run)
+                fut = self._executor.submit(run)
                 with self._lock:
                     self._last = fut
                     self._uncollected.add(fut)
@@ -217,7 +174,7 @@ class AsyncRunner(Generic[T]):
                 self._waiting[me] = fut
         try:
             try:
-                result = Future.result(fut)  # Future's own: a JobFuture's would collect it here
+                result = fut.result()
             except BaseException as exc:
                 if is_outcome(fut, exc):
                     if not nested and self._collect(fut):
@@ -287,5 +244,4 @@ def _nothing() -> None:
 def is_outcome(fut: Future[Any], exc: BaseException) -> bool:
     """Whether ``exc``, raised while waiting for ``fut``, is the job's own outcome (its error or
     its cancellation) rather than an interruption of the wait (Ctrl-C)."""
-    # Future's own exception(): a JobFuture's would collect the outcome by looking at it.
-    return fut.done() and (fut.cancelled() or Future.exception(fut) is exc)
+    return fut.done() and (fut.cancelled() or fut.exception() is exc)
