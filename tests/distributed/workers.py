@@ -827,7 +827,8 @@ def unsaveable_extra_on_one_rank(rank: int, folder: str, kind: str, background: 
         torch.empty_like = no_memory  # type: ignore[assignment]
     try:
         if background:
-            ckpt.save_async(folder, 1, st)[1].result()
+            ckpt.save_async(folder, 1, st)
+            ckpt.wait()  # raises a failure of the background part and takes it (result() would not)
         else:
             ckpt.save(folder, 1, st)
     except (CkptkeeperError, RuntimeError) as exc:

@@ -189,9 +189,10 @@ class Checkpointer:
         Returns the checkpoint's final path and a future of its :class:`SaveResult`. The state may be
         changed as soon as this returns. A save still in flight is waited for first (its error, if
         any, is raised here). A failed background write raises :class:`CheckpointSaveError` from the
-        future, naming the step and file; read there (``result()`` or ``exception()``), it is not
-        raised again by the next save or :meth:`wait`. With several ranks, a staging copy that fails
-        on one rank (out of memory, say) fails the save on every rank, from each one's future.
+        future, naming the step and file. Reading the future collects nothing: the next save (or
+        :meth:`wait`) raises the failure again, on every rank alike (take it with :meth:`wait_for`,
+        or :meth:`forget` it, to have it raised once). With several ranks, a staging copy that
+        fails on one rank (out of memory, say) fails the save on every rank, from each one's future.
         """
         self._runner.refuse_inside("Checkpointer.save_async()")
         self._refuse_in_sync_save("Checkpointer.save_async()")
@@ -332,8 +333,8 @@ class Checkpointer:
         """Stop tracking ``fut`` as the save in flight: its caller collected its outcome (or error).
 
         Without this, the next save (which waits for the one in flight first) would raise the
-        same failure a second time. Not needed after the future's own ``result()`` or
-        ``exception()`` has given the failure: that counts as collected.
+        same failure a second time (reading the future's ``result()`` collects nothing: with
+        several ranks, every rank must raise a failure at the same call). Every rank forgets alike.
         """
         self._runner.forget(fut)
 
