@@ -1063,33 +1063,49 @@ _UNREADABLE = {
     "sparse_csr": (lambda: torch.eye(3).to_sparse_csr(), "is a sparse_csr tensor.*plain"),
     "nested": (lambda: torch.nested.nested_tensor([torch.ones(3)] * 3), "is a nested tensor.*plain"),
     # Its rows are one row's memory: torch refused the write, and putting it back failed too.
-    "expanded": (lambda: torch.zeros(3).expand(3, 3), "elements share memory.*clone"),
+    "expanded": (lambda: torch.zeros(3).expand(3, 3), "overlap in memory.*clone"),
+    # Rows that share half their memory: loaded without a word, each row written over the last.
+    "unfolded": (lambda: torch.zeros(7).unfold(0, 3, 2), "overlap in memory.*clone"),
 }
+
+
+class _Kept:
+    """An extra that keeps what load_state_dict gives it."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"a": self.t}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.t = sd["a"]
 
 
 @pytest.mark.parametrize("where", ["model", "extra", "generic"])
 @pytest.mark.parametrize("kind", list(_UNREADABLE))
 def test_a_load_into_a_tensor_it_cannot_read_into_is_refused_by_name(tmp_path: Path, where: str, kind: str) -> None:
-    # Found by an outside attack: a nested destination failed with torch's "Internal error:
+    # Found by outside attacks: a nested destination failed with torch's "Internal error:
     # NestedTensorImpl doesn't support sizes. Please file an issue.", a sparse one with a
-    # mismatch error quoting torch's copy_ and naming no tensor.
+    # mismatch error quoting torch's copy_ and naming no tensor, an unfolded one loaded wrong.
+    # An extra is not read in place then: it gets the saved values in a tensor of their own.
     from ckptkeeper import ConfigurationError, TrainingState
 
     make, what = _UNREADABLE[kind]
     bias = torch.arange(3.0)
+    if where == "extra":
+        Checkpointer().save(
+            str(tmp_path), 1, TrainingState(torch.nn.Linear(3, 3), extra={"x": _Kept(torch.eye(3) * 2)})
+        )
+        kept = _Kept(make())
+        Checkpointer().load(str(tmp_path / "step1"), TrainingState(torch.nn.Linear(3, 3), extra={"x": kept}))
+        assert kept.t.layout is torch.strided and torch.equal(kept.t, torch.eye(3) * 2)
+        return
     if where == "generic":
         Checkpointer().save(str(tmp_path), 1, _FixedState({"w": {"a": torch.eye(3) * 2, "b": torch.ones(3)}}))
         tree = {"w": {"a": make(), "b": bias.clone()}}
         st: Any = _FixedState(tree)
-        name, kept = r"w\.a", lambda: tree["w"]["b"]
-    elif where == "extra":
-        saved = _Extra({"a": torch.eye(3) * 2})
-        Checkpointer().save(str(tmp_path), 1, TrainingState(torch.nn.Linear(3, 3), extra={"x": saved}))
-        extra = _Extra({"a": make()})
-        st = TrainingState(torch.nn.Linear(3, 3), extra={"x": extra})
-        with torch.no_grad():
-            st.model.bias.copy_(bias)
-        name, kept = r"extra\.x\.a", lambda: st.model.bias
+        name, untouched = r"w\.a", lambda: tree["w"]["b"]
     else:
         Checkpointer().save(str(tmp_path), 1, TrainingState(torch.nn.Linear(3, 3)))
         model = torch.nn.Linear(3, 3)
@@ -1097,7 +1113,56 @@ def test_a_load_into_a_tensor_it_cannot_read_into_is_refused_by_name(tmp_path: P
         with torch.no_grad():
             model.bias.copy_(bias)
         st = TrainingState(model)
-        name, kept = "weight", lambda: model.bias
+        name, untouched = "weight", lambda: model.bias
     with pytest.raises(ConfigurationError, match=rf"{name}: .*{what}"):
         Checkpointer().load(str(tmp_path / "step1"), st)
-    assert torch.equal(kept(), bias)  # nothing was read
+    assert torch.equal(untouched(), bias)  # nothing was read
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self, mask: bool) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(3, 4))
+        if mask:
+            self.register_buffer("mask", torch.ones(4).expand(3, 4))
+
+
+def test_a_tensor_the_load_does_not_read_into_is_not_refused(tmp_path: Path) -> None:
+    # Found by an outside attack on the refusal above: it also refused tensors a load leaves
+    # alone (missing from the checkpoint under strict=False) or reads into new memory (an
+    # extra whose saved dtype differs), which loaded before.
+    from ckptkeeper import TrainingState
+
+    src = _Masked(mask=False)
+    with torch.no_grad():
+        src.w.copy_(torch.arange(12.0).reshape(3, 4))
+    Checkpointer().save(
+        str(tmp_path), 1, TrainingState(src, extra={"x": _Kept(torch.randn(3, 4, dtype=torch.float64))})
+    )
+    dst = _Masked(mask=True)
+    kept = _Kept(torch.zeros(4).expand(3, 4))
+    st = TrainingState(dst, extra={"x": kept}, strict=False)
+    Checkpointer().load(str(tmp_path / "step1"), st)
+    assert torch.equal(dst.w, src.w) and st.load_report.missing_keys == ["model.mask"]
+    assert kept.t.dtype is torch.float64 and kept.t.shape == (3, 4)
+
+
+@pytest.mark.parametrize(
+    ("shape", "stride", "overlaps"),
+    [
+        ((3, 4), (4, 1), False),
+        ((4, 3), (1, 4), False),  # transposed
+        ((1, 5), (0, 1), False),  # arange(5).expand(1, -1), as HF models register position_ids
+        ((2, 3, 4, 5), (60, 1, 15, 3), False),  # channels_last
+        ((3, 3), (0, 1), True),
+        ((3, 3), (2, 1), True),  # unfold(0, 3, 2)
+        ((2, 2), (1, 1), True),
+        ((3, 2), (2, 3), True),  # does not overlap, but is taken to (sufficient test only)
+    ],
+)
+def test_overlap_is_found_from_shape_and_stride(
+    shape: tuple[int, ...], stride: tuple[int, ...], overlaps: bool
+) -> None:
+    from ckptkeeper.engine.state import _may_overlap
+
+    assert _may_overlap(shape, stride) is overlaps

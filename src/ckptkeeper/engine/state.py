@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 import logging
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
@@ -102,33 +102,60 @@ def refuse_short_memory(name: str, t: torch.Tensor) -> None:
         raise short_memory_error(name, *short)
 
 
-def refuse_unloadable(name: str, local: torch.Tensor) -> None:
-    """ConfigurationError naming ``name`` when a load cannot read into ``local`` (a tensor, or a
-    DTensor's local shard) in place: sparse (any layout), nested, or with elements that share
-    memory (an ``expand()``). Torch's own words for those name no tensor, a nested one's
-    ("Internal error ... Please file an issue") blames torch, and an expanded one's came after
-    the load had begun, whose undo then failed on it as well."""
+def unloadable(local: Any) -> str | None:
+    """Why a load cannot read values into ``local`` (a tensor, or a DTensor's local shard) in
+    place, or None: it is sparse (any layout) or otherwise not strided, nested, or its elements
+    overlap in memory (``expand()``, ``unfold()``, ``as_strided()`` views). Torch's own words for
+    those name no tensor, a nested one's ("Internal error ... Please file an issue") blames
+    torch, an expanded one's came after the load had begun (its undo then failed on it too), and
+    an unfolded one loaded without a word, each value written over its neighbours' (found by
+    outside attacks)."""
     try:
         nested, layout = local.is_nested, local.layout
     except (NotImplementedError, RuntimeError):
-        return  # a wrapper that answers none of this (FSDP1's ShardedTensor): DCP's reader loads it
-    if nested or (layout is not torch.strided and layout is not getattr(torch, "_mkldnn", None)):
+        return None  # a wrapper that answers none of this (FSDP1's ShardedTensor): DCP's reader loads it
+    if nested or layout is not torch.strided:
         kind = "nested" if nested else str(layout).removeprefix("torch.")
-        raise ConfigurationError(
-            f"cannot load into {name[:200]}: it is a {kind} tensor, and a load reads values into plain (dense, "
-            "strided) tensors in place; make it a plain tensor before loading (e.g. to_dense(), or a torch.empty "
-            "of its shape) and convert it after"
+        return (
+            f"it is a {kind} tensor, and a load reads values into plain (dense, strided) tensors in place; make "
+            "it a plain tensor before loading (e.g. to_dense(), or a torch.empty of its shape) and convert it after"
         )
     # A contiguous tensor's elements are all its own; the usual case stops at that one question.
-    if (
-        layout is torch.strided
-        and not local.is_contiguous()
-        and any(st == 0 and n > 1 for n, st in zip(local.shape, local.stride(), strict=True))
-    ):
-        raise ConfigurationError(
-            f"cannot load into {name[:200]}: its elements share memory (a view made by expand() or with a "
-            "zero stride), so they cannot each take a value; give it memory of its own first (clone()), then load"
+    if not local.is_contiguous() and _may_overlap(local.shape, local.stride()):
+        return (
+            "its elements overlap in memory (a view made by expand(), unfold() or as_strided()), so they cannot "
+            "each take a value; give it memory of its own first (clone()), then load"
         )
+    return None
+
+
+def _nested(t: Any) -> bool:
+    try:
+        return bool(t.is_nested)
+    except (NotImplementedError, RuntimeError):  # FSDP1's ShardedTensor answers nothing
+        return False
+
+
+def _may_overlap(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of a strided tensor may share an address: taken by growing stride,
+    each dimension's step must pass the farthest element the smaller ones reach. Sufficient for
+    no overlap, not necessary: an exotic interleaving as_strided() view is taken to overlap (and
+    refused with the fix, clone()), never the other way round. Torch's own check
+    (``has_internal_overlap``) finds only zero strides."""
+    reach = 0
+    for st, n in sorted((st, n) for n, st in zip(shape, stride, strict=True) if n > 1):
+        if st <= reach:
+            return True
+        reach += (n - 1) * st
+    return False
+
+
+def refuse_unloadable(name: str, local: Any) -> None:
+    """Raise :class:`ConfigurationError` naming ``name`` when :func:`unloadable` finds why
+    ``local`` cannot be read into in place."""
+    why = unloadable(local)
+    if why is not None:
+        raise ConfigurationError(f"cannot load into {name[:200]}: {why}")
 
 
 def short_memory_error(name: str, need: int, have: int) -> ConfigurationError:
@@ -984,9 +1011,13 @@ class TrainingState:
         if self._generic():
             now_t, now_m = self.capture()
             for path, t in _leaves(now_t):
-                refuse_unloadable(".".join(path), t._local_tensor if isinstance(t, DTensor) else t)
-                fit.take(".".join(path), t)
-                refuse_short_memory(".".join(path), t)
+                key = ".".join(path)
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                if key in saved and _nested(local):
+                    refuse_unloadable(key, local)  # before take(): a nested tensor has no shape
+                if fit.take(key, t):
+                    refuse_unloadable(key, local)  # what is read in place; the rest is left as it is
+                refuse_short_memory(key, t)
             fit.raise_if_strict(True)
             apply = dict(now_m if saved_meta is None else saved_meta)
             back = {"tensors": now_t, "meta": now_m}
@@ -1011,8 +1042,10 @@ class TrainingState:
             key = "model." + ".".join(path)
             known.add(key)
             local = t._local_tensor if isinstance(t, DTensor) else t
-            refuse_unloadable(key[len("model.") :], local)  # before take(): a nested tensor has no shape
+            if local.is_nested and key in saved:
+                refuse_unloadable(key[len("model.") :], local)  # before take(): a nested tensor has no shape
             if fit.take(key, t):
+                refuse_unloadable(key[len("model.") :], local)  # read in place: missing or mismatched ones are not
                 _put(model_t, path, t)
                 flat.append((key, t))
                 if local.is_meta:
@@ -1068,8 +1101,10 @@ class TrainingState:
                     info = fit.info(key)
                     path = _split_rest(node, key[len(f"extra.{name}.") :])
                     cur = current.get(path)
-                    if cur is not None:
-                        refuse_unloadable(key, cur._local_tensor if isinstance(cur, DTensor) else cur)
+                    if cur is not None and unloadable(cur._local_tensor if isinstance(cur, DTensor) else cur):
+                        # Not read in place (sparse, nested, overlapping): the extra gets a new
+                        # tensor of the saved values, as when its shape differs, and decides.
+                        cur = None
                     if cur is not None and _shape(cur) == info.shape and cur.dtype == info.dtype:
                         refuse_short_memory(key, cur)
                         t = cur  # read in place, as the model is
