@@ -560,7 +560,17 @@ def test_an_interrupt_on_one_rank_fails_the_others_instead_of_leaving_them_waiti
 
 
 @pytest.mark.parametrize(
-    ("kind", "background"), [("sparse", False), ("shrunk", False), ("meta", True), ("no memory", True)]
+    ("kind", "background"),
+    [
+        ("sparse", False),
+        ("shrunk", False),
+        ("meta", True),
+        ("no memory", True),
+        ("state_dict raises", False),
+        ("state_dict raises", True),
+        ("train state", False),
+        ("train state", True),
+    ],
 )
 def test_a_tensor_one_rank_cannot_save_fails_every_rank_on_the_dcp_and_staging_paths(
     tmp_path: Path, kind: str, background: bool
@@ -568,11 +578,18 @@ def test_a_tensor_one_rank_cannot_save_fails_every_rank_on_the_dcp_and_staging_p
     # Found by an outside attack: refused on rank 1 just before DCP's writer, while rank 0 went
     # into DCP's own collectives (both waited until the timeout); a meta tensor failed staging
     # after the ranks had agreed to save, so rank 0's background save ran alone. So did any
-    # other failure of the staging copy there (host memory running out, say).
+    # other failure of the staging copy there (host memory running out, say). An extra whose
+    # state_dict() failed, or a train_state that cannot be stored, on one rank only, failed that
+    # rank before the first exchange: the others' save then paired with its next one.
     out = run_ranks(2, workers.unsaveable_extra_on_one_rank, str(tmp_path / "ck"), kind, background,
                     out=tmp_path / "o", timeout=120)  # fmt: skip
     zero, one = _ok(out)
-    assert ("allocate memory" if kind == "no memory" else "extra.b.t") in one["error"], one
+    named = {
+        "no memory": "allocate memory",
+        "state_dict raises": "state_dict failed",
+        "train state": "trainer state cannot be stored",
+    }
+    assert named.get(kind, "extra.b.t") in one["error"], one
     assert "rank 1" in zero["error"] or "another rank" in zero["error"], zero
     for value in (zero, one):
         assert value["steps"] == [2], value

@@ -792,6 +792,8 @@ class _Box:
         self.t = t
 
     def state_dict(self) -> dict[str, Any]:
+        if isinstance(self.t, Exception):
+            raise self.t
         return {"t": self.t}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -800,14 +802,20 @@ class _Box:
 
 def unsaveable_extra_on_one_rank(rank: int, folder: str, kind: str, background: bool) -> dict[str, Any]:
     """Rank 1 alone holds an extra that cannot be saved (``sparse``: CSR; ``shrunk``: storage
-    resized under it; ``meta``; ``no memory``: its staging buffers cannot be allocated; the save
-    going through DCP's writer or async staging). Every rank
+    resized under it; ``meta``; ``no memory``: its staging buffers cannot be allocated;
+    ``state_dict raises``: the extra's state_dict() fails; ``train state``: a train_state that
+    cannot be stored; the save going through DCP's writer or async staging). Every rank
     must fail the save together (rank 1 naming the tensor), and then save again."""
     from ckptkeeper import CkptkeeperError
 
-    t = torch.arange(8.0)
+    t: Any = torch.arange(8.0)
+    train_state: dict[str, Any] | None = None
     if rank == 1:
-        if kind == "sparse":
+        if kind == "state_dict raises":
+            t = RuntimeError("the extra's state_dict failed")
+        elif kind == "train state":
+            train_state = {"bad": object()}  # cannot be stored without pickle
+        elif kind == "sparse":
             t = torch.eye(4).to_sparse_csr()
         elif kind == "shrunk":
             t.untyped_storage().resize_(8)
@@ -827,10 +835,10 @@ def unsaveable_extra_on_one_rank(rank: int, folder: str, kind: str, background: 
         torch.empty_like = no_memory  # type: ignore[assignment]
     try:
         if background:
-            ckpt.save_async(folder, 1, st)
+            ckpt.save_async(folder, 1, st, train_state=train_state)
             ckpt.wait()  # raises a failure of the background part and takes it (result() would not)
         else:
-            ckpt.save(folder, 1, st)
+            ckpt.save(folder, 1, st, train_state=train_state)
     except (CkptkeeperError, RuntimeError) as exc:
         error = str(exc)
     finally:

@@ -1166,3 +1166,13 @@ def test_overlap_is_found_from_shape_and_stride(
     from ckptkeeper.engine.state import _may_overlap
 
     assert _may_overlap(shape, stride) is overlaps
+
+
+def test_state_digest_of_a_model_on_the_meta_device_names_the_tensor() -> None:
+    # Found by an outside attack: torch's NotImplementedError, naming nothing.
+    from ckptkeeper import ConfigurationError
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigurationError, match=r"model\.bias is on the meta device.*to_empty"):
+        state_digest(model)

@@ -165,9 +165,18 @@ class Checkpointer:
         try:
             # The caller waits for the whole save: the collector's pauses cost it nothing here.
             with paused_gc(), ctrl_c_after(f"the save of step {step}", self.process_group):
-                tensors, meta = capture_to_write(state)
-                payload = train_payload(step, train_state, meta)
-                result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked)
+                failed: Exception | None = None
+                try:
+                    tensors, meta = capture_to_write(state)
+                    payload = train_payload(step, train_state, meta)
+                except Exception as exc:
+                    # Raised here on one rank only (an extra's state_dict() failing, a train_state
+                    # that cannot be stored), the others' save went on, and paired its exchanges
+                    # with this rank's next save: the save's first round raises it everywhere.
+                    if D.get_world_size(self.process_group) == 1:
+                        raise
+                    tensors, payload, failed = {}, b"", exc
+                result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked, failed)
         finally:
             here.depth -= 1
             anyone.depth -= 1
@@ -224,22 +233,33 @@ class Checkpointer:
             # Background collectives must not share a queue with training's: a group of their own
             # (every rank starts the same saves, so every rank creates it at the same call).
             self.process_group = D.new_cpu_group()
+        broken: Exception | None = None  # this rank's state could not be taken at all
         with paused_gc():
-            tensors, meta = capture_to_write(state)
-            need, short = staging_need(tensors)
+            try:
+                tensors, meta = capture_to_write(state)
+                need, short = staging_need(tensors)
+                payload = train_payload(step, train_state, meta)
+            except Exception as exc:
+                # Raised before the agreement on one rank only (an extra's state_dict() failing,
+                # a train_state that cannot be stored), the others went on to save without it.
+                if D.get_world_size(self.process_group) == 1:
+                    raise
+                tensors, need, short, payload, broken = {}, 0, None, b"", exc
         over_here = self.staging_budget_bytes is not None and need > self.staging_budget_bytes
         # All ranks take the same way (error, sync or async), or some would wait in a save the
         # others never start.
-        if not D.all_agree(not over_here and short is None, group=self.process_group):
+        if not D.all_agree(not over_here and short is None and broken is None, group=self.process_group):
             # Every rank is here: a tensor that cannot be staged on any rank (its memory shrunk
-            # under it, so the copy would read past its end; or sparse) fails the save
-            # everywhere, before the budget's choice.
-            if not D.all_agree(short is None, group=self.process_group):
+            # under it, so the copy would read past its end; or sparse), or a state that could
+            # not be taken, fails the save everywhere, before the budget's choice.
+            if not D.all_agree(short is None and broken is None, group=self.process_group):
+                if broken is not None:
+                    raise broken
                 if short is not None:
                     raise ConfigurationError(f"step {step}: {short}; nothing was saved") from short
                 raise ConfigurationError(
-                    f"step {step}: another rank holds a tensor it cannot stage (that rank's error names it and "
-                    "why); nothing was saved"
+                    f"step {step}: another rank could not stage its state (a tensor it cannot stage, or its "
+                    "state_dict() or train_state failed; that rank's error says which and why); nothing was saved"
                 )
             budget = self.staging_budget_bytes or 0
             msg = (
@@ -259,11 +279,9 @@ class Checkpointer:
             return final_path(save_folder, step), done
         failed: Exception | None = None
         staged: Callable[[], dict[str, Any]] = dict
-        payload = b""
         with paused_gc():
             try:
                 staged = self._stager.stage_lazily(tensors)
-                payload = train_payload(step, train_state, meta)
             except Exception as exc:
                 # The ranks have agreed to save: failing here alone (host memory running out in
                 # the copy, say) left the others' background saves to run without this rank.

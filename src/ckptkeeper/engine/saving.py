@@ -191,9 +191,11 @@ def write_checkpoint(
 ) -> SaveResult:
     """Write and commit the checkpoint of ``step`` (every rank calls this together).
 
-    ``failed``: this rank's failure before it got here, after the ranks had agreed to save (an
-    async save's staging copy ran out of memory, say). It is raised in the first round, so that
-    every rank fails the save together instead of the others saving without this rank.
+    ``failed``: this rank's failure before it got here (its state's ``state_dict()`` raised, its
+    ``train_state`` cannot be stored, an async save's staging copy ran out of memory). It is
+    raised in the first round, so that every rank fails the save together instead of the others
+    saving without this rank (and pairing their exchanges with its next save); this rank raises
+    it as it is, the others a :class:`CheckpointSaveError` naming this rank.
     """
     storage = commit.storage
     retries_before = getattr(storage, "retries", 0)
@@ -209,7 +211,7 @@ def write_checkpoint(
     # record, and the save committed without it; found by an outside attack).
     expected: set[str] = set()
     extra: dict[str, Any] = {"metrics": dict(metrics)} if metrics else {}
-    stage = "preparing" if failed is None else "staging the tensors"
+    stage = "preparing"
 
     def enter(name: str) -> None:
         if settings.on_stage is not None:
@@ -362,8 +364,7 @@ def write_checkpoint(
         agree(publish, step, pg)
     except BaseException as raw:
         exc = unwrap(raw)
-        # Rank 0 prepares the final path in the first round: anything earlier left it alone.
-        discard_final = final if rank == 0 and stage not in ("preparing", "staging the tensors") else None
+        discard_final = final if rank == 0 and stage != "preparing" else None
         if not isinstance(exc, Exception):
             # Ctrl-C or SystemExit (raised here, or inside DCP's writer, which wraps it): the save
             # is dropped (its work folder was left behind; found by an outside attack) and the
@@ -372,6 +373,9 @@ def write_checkpoint(
             if exc is raw:
                 raise
             raise exc from None
+        if failed is not None and exc is failed:
+            commit.discard(work, None)  # this rank's own failure from before the save: as it was
+            raise failed from None
         if isinstance(exc, CheckpointSaveError):
             commit.discard(work, discard_final)
             # Another rank failed (its message already says where): keep the original chain.

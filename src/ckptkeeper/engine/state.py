@@ -1354,13 +1354,18 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
 
     Comparable across runs and world sizes: two digests are equal exactly when the weights and
     optimizer state are bit-identical. Raises :class:`ConfigurationError` naming a tensor whose
-    storage was resized under it (its values are not all in memory).
+    storage was resized under it (its values are not all in memory) or one on the meta device.
     """
     tensors, _ = TrainingState(model, optimizer).capture()
     h = hashlib.sha256()
     for path, t in sorted(flatten_tensors(tensors), key=lambda p: p[0]):
         # Its bytes are read below: past a shrunk storage's end they are whatever lies there.
         refuse_short_memory(path, t)
+        if (t._local_tensor if isinstance(t, DTensor) else t).is_meta:
+            raise ConfigurationError(
+                f"{path} is on the meta device (made without memory: it holds no values to hash); materialise "
+                "the model first, e.g. model.to_empty(device='cpu') and initialise it"
+            )
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         # A lazy conjugate or negation has no byte view of its values: they are made first.
         data = full.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
