@@ -746,7 +746,10 @@ class CheckpointManager:
         # Marked while user code runs here (the trainer state's objects, a synchronous save's hooks).
         self._writing = threading.get_ident()
         try:
-            ts = self.train_state()
+            # Taken by the checkpointer, inside its save: a json_state object whose state_dict()
+            # failed on one rank only then fails the save on every rank (raised here, the other
+            # ranks' save went on and paired its exchanges with this rank's next one).
+            ts = self.train_state
             if use_async:
                 path, fut = self.checkpointer.save_async(
                     self.save_folder, self.step, self.state, train_state=ts, ephemeral=ephemeral, metrics=metrics

@@ -621,3 +621,20 @@ def test_ctrl_c_in_one_ranks_staging_copy_is_raised_after_the_save_is_handed_ove
     assert (zero["seen"], one["seen"]) == ("", "KeyboardInterrupt"), (zero, one)
     for value in (zero, one):
         assert value["steps"] == [1, 2], value
+
+
+@pytest.mark.parametrize("how", ["manager sync", "manager async", "interrupt", "nan metric", "resave"])
+def test_a_state_one_rank_cannot_take_fails_the_save_on_every_rank(tmp_path: Path, how: str, request: Any) -> None:
+    # Found by an outside attack: raised on one rank before the save's first exchange (the
+    # manager's json_state, an interrupt from a state_dict(), a NaN metric), the other ranks'
+    # save went on and paired with that rank's next one (the async manager hung); and handed
+    # to the save's first round, rank 0 had already cleared an object store's copy of the step
+    # being saved again (the checkpoint was lost).
+    folder = request.getfixturevalue("s3_root") if how == "resave" else str(tmp_path / "ck")
+    out = run_ranks(2, workers.state_fails_on_one_rank, folder, how, out=tmp_path / "o", timeout=120)
+    zero, one = _ok(out)
+    named = {"interrupt": "KeyboardInterrupt", "nan metric": "loss"}.get(how, "state_dict failed here")
+    assert named in one["error"], one
+    assert "another rank" in zero["error"] or "rank 1" in zero["error"], zero
+    for value in (zero, one):
+        assert value["steps"] == [1, 2] if how == "resave" else [2], value

@@ -929,3 +929,61 @@ def ctrl_c_while_staging(rank: int, folder: str) -> dict[str, Any]:
     steps = [s for s, _ in ckpt.find_checkpoints(folder)]
     ckpt.close()
     return {"seen": seen, "steps": steps}
+
+
+def state_fails_on_one_rank(rank: int, folder: str, how: str) -> dict[str, Any]:
+    """Rank 1 alone cannot take its state for the step-1 save (``manager sync``/``manager async``:
+    a json_state object's state_dict() raises; ``interrupt``: an extra's raises KeyboardInterrupt;
+    ``nan metric``: a NaN metric; ``resave``: an extra's raises while step 1, already saved, is
+    saved again). Every rank must fail that save together, nothing saved or removed, and then
+    save step 2 together."""
+    from ckptkeeper import CheckpointManager, CheckpointPolicyConfig
+
+    class Failing:
+        def __init__(self) -> None:
+            self.exc: BaseException | None = None
+
+        def state_dict(self) -> dict[str, Any]:
+            if self.exc is not None:
+                raise self.exc
+            return {"n": 1}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            pass
+
+    failing = Failing()
+    bad: BaseException = KeyboardInterrupt() if how == "interrupt" else RuntimeError("state_dict failed here")
+    error = ""
+    if how.startswith("manager"):
+        config = CheckpointPolicyConfig(save_interval=1000, save_async=how.endswith("async"))
+        model = nn.Linear(4, 4)
+        mgr = CheckpointManager(folder, model=model, json_state={"j": failing}, take_lease=False, config=config)
+        mgr.restore()
+        failing.exc = bad if rank == 1 else None
+        try:
+            mgr.save(1, wait=True)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        failing.exc = None
+        mgr.save(2, wait=True)
+        mgr.close()
+    else:
+        st = TrainingState(nn.Linear(4, 4), extra={"f": failing})
+        ckpt = Checkpointer()
+        if how == "resave":
+            ckpt.save(folder, 1, st)
+        failing.exc = bad if rank == 1 and how != "nan metric" else None
+        metrics = {"loss": float("nan") if rank == 1 else 1.0} if how == "nan metric" else None
+        try:
+            if how == "nan metric":
+                ckpt.save_async(folder, 1, st, metrics=metrics)
+                ckpt.wait()
+            else:
+                ckpt.save(folder, 1, st)
+        except BaseException as exc:  # KeyboardInterrupt too: raised as itself on rank 1
+            error = f"{type(exc).__name__}: {exc}"
+        failing.exc = None
+        ckpt.save(folder, 2, st)
+        ckpt.close()
+    steps = [s for s, _ in Checkpointer().find_checkpoints(folder)]
+    return {"error": error, "steps": steps}

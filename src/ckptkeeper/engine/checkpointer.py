@@ -60,6 +60,14 @@ log = logging.getLogger(__name__)
 _SYNC_SAVES_HERE = threading.local()
 
 
+TrainStateArg = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
+"""A save's ``train_state``: the mapping, or a function that returns it when the state is taken."""
+
+
+def _train_state_now(train_state: TrainStateArg) -> Mapping[str, Any] | None:
+    return train_state() if callable(train_state) else train_state
+
+
 class Checkpointer:
     """Saves and loads checkpoints of a :class:`TrainingState` under a save folder (path or URL).
 
@@ -144,18 +152,20 @@ class Checkpointer:
         step: int,
         state: TrainingState,
         *,
-        train_state: Mapping[str, Any] | None = None,
+        train_state: TrainStateArg = None,
         ephemeral: bool = False,
         metrics: Mapping[str, float] | None = None,
     ) -> SaveResult:
         """Write the checkpoint of ``step`` and commit it before returning.
 
         ``metrics`` (names to finite numbers) go into the commit record, where retention by metric
-        (``keep_best``) and ``ckptkeeper inspect`` read them.
+        (``keep_best``) and ``ckptkeeper inspect`` read them. ``train_state`` (JSON) may be a
+        function returning it, called when the state is taken. With several ranks, a failure to
+        take the state on one rank (a ``state_dict()`` or that function raising, a NaN metric)
+        fails the save on every rank, agreed before anything is written or removed.
         """
         t0 = time.perf_counter()
         self._refuse_in_sync_save("Checkpointer.save()")
-        checked = checked_metrics(step, metrics)
         # Refused only where it would block (inside the save in flight): a synchronous save uses
         # no writer thread, so a done-callback may make one.
         self._runner.wait("Checkpointer.save()")
@@ -165,14 +175,18 @@ class Checkpointer:
         try:
             # The caller waits for the whole save: the collector's pauses cost it nothing here.
             with paused_gc(), ctrl_c_after(f"the save of step {step}", self.process_group):
-                failed: Exception | None = None
+                failed: BaseException | None = None
+                checked: dict[str, float] | None = None
                 try:
+                    checked = checked_metrics(step, metrics)
                     tensors, meta = capture_to_write(state)
-                    payload = train_payload(step, train_state, meta)
-                except Exception as exc:
+                    payload = train_payload(step, _train_state_now(train_state), meta)
+                except BaseException as exc:
                     # Raised here on one rank only (an extra's state_dict() failing, a train_state
-                    # that cannot be stored), the others' save went on, and paired its exchanges
-                    # with this rank's next save: the save's first round raises it everywhere.
+                    # that cannot be stored, a NaN metric, an interrupt raised from a state_dict()),
+                    # the others' save went on, and paired its exchanges with this rank's next
+                    # save: the save's first exchange, before anything is touched, raises it
+                    # everywhere.
                     if D.get_world_size(self.process_group) == 1:
                         raise
                     tensors, payload, failed = {}, b"", exc
@@ -189,7 +203,7 @@ class Checkpointer:
         step: int,
         state: TrainingState,
         *,
-        train_state: Mapping[str, Any] | None = None,
+        train_state: TrainStateArg = None,
         ephemeral: bool = False,
         metrics: Mapping[str, float] | None = None,
     ) -> tuple[str, Future[SaveResult]]:
@@ -206,7 +220,8 @@ class Checkpointer:
         self._runner.refuse_inside("Checkpointer.save_async()")
         self._refuse_in_sync_save("Checkpointer.save_async()")
         t0 = time.perf_counter()
-        checked = checked_metrics(step, metrics)
+        if D.get_world_size(self.process_group) == 1:
+            checked_metrics(step, metrics)  # before waiting for the last save, as it always was
         self.wait()
         # A save whose outcome was collected elsewhere (forget(), an interrupted wait) may still be
         # writing from the staging buffers this one is about to fill.
@@ -216,16 +231,16 @@ class Checkpointer:
         # other ranks' background saves waiting for this rank, whose next save then joined their
         # exchanges with another step.
         with ctrl_c_after(f"the hand-over of the async save of step {step}", self.process_group):
-            return self._hand_over(save_folder, step, state, train_state, ephemeral, checked, t0)
+            return self._hand_over(save_folder, step, state, train_state, ephemeral, metrics, t0)
 
     def _hand_over(
         self,
         save_folder: str,
         step: int,
         state: TrainingState,
-        train_state: Mapping[str, Any] | None,
+        train_state: TrainStateArg,
         ephemeral: bool,
-        checked: Mapping[str, float] | None,
+        metrics: Mapping[str, float] | None,
         t0: float,
     ) -> tuple[str, Future[SaveResult]]:
         """:meth:`save_async` once the previous save has ended: agree, stage, submit."""
@@ -233,15 +248,18 @@ class Checkpointer:
             # Background collectives must not share a queue with training's: a group of their own
             # (every rank starts the same saves, so every rank creates it at the same call).
             self.process_group = D.new_cpu_group()
-        broken: Exception | None = None  # this rank's state could not be taken at all
+        broken: BaseException | None = None  # this rank's state could not be taken at all
+        checked: dict[str, float] | None = None
         with paused_gc():
             try:
+                checked = checked_metrics(step, metrics)
                 tensors, meta = capture_to_write(state)
                 need, short = staging_need(tensors)
-                payload = train_payload(step, train_state, meta)
-            except Exception as exc:
+                payload = train_payload(step, _train_state_now(train_state), meta)
+            except BaseException as exc:
                 # Raised before the agreement on one rank only (an extra's state_dict() failing,
-                # a train_state that cannot be stored), the others went on to save without it.
+                # a train_state that cannot be stored, a NaN metric, an interrupt raised from a
+                # state_dict()), the others went on to save without it.
                 if D.get_world_size(self.process_group) == 1:
                     raise
                 tensors, need, short, payload, broken = {}, 0, None, b"", exc
@@ -378,7 +396,7 @@ class Checkpointer:
         ephemeral: bool,
         t0: float,
         metrics: Mapping[str, float] | None = None,
-        failed: Exception | None = None,
+        failed: BaseException | None = None,
     ) -> SaveResult:
         # Settings are read now: the manager may give the checkpointer its process group late.
         settings = SaveSettings(self.process_group, self.writer, self.io_threads, self.on_stage, self._save_memo)

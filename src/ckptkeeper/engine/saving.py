@@ -187,21 +187,31 @@ def write_checkpoint(
     ephemeral: bool,
     t0: float,
     metrics: Mapping[str, float] | None = None,
-    failed: Exception | None = None,
+    failed: BaseException | None = None,
 ) -> SaveResult:
     """Write and commit the checkpoint of ``step`` (every rank calls this together).
 
     ``failed``: this rank's failure before it got here (its state's ``state_dict()`` raised, its
-    ``train_state`` cannot be stored, an async save's staging copy ran out of memory). It is
-    raised in the first round, so that every rank fails the save together instead of the others
-    saving without this rank (and pairing their exchanges with its next save); this rank raises
-    it as it is, the others a :class:`CheckpointSaveError` naming this rank.
+    ``train_state`` cannot be stored, an async save's staging copy ran out of memory). With
+    several ranks they agree on it first, before anything is touched (rank 0 clears an object
+    store's old keys of this step as it prepares), so that every rank fails the save together
+    instead of the others saving without this rank (and pairing their exchanges with its next
+    save); this rank raises it as it is, the others a :class:`CheckpointSaveError`.
     """
     storage = commit.storage
     retries_before = getattr(storage, "retries", 0)
     final = storage.join(save_folder, step_dir_name(step))
     pg = settings.process_group
     rank, world = D.get_rank(pg), D.get_world_size(pg)
+    if world > 1 and not D.all_agree(failed is None, group=pg):
+        if failed is not None:
+            raise failed
+        raise CheckpointSaveError(
+            f"step {step}: another rank could not take its state for the save (that rank's error says why); "
+            "nothing was saved or removed"
+        )
+    if failed is not None:
+        raise failed  # one process: nothing else waits for it
     token = D.broadcast_object(uuid.uuid4().hex[:8], group=pg)
     work = commit.work_folder(save_folder, step, token)
     files: dict[str, FileEntry] = {}
@@ -218,8 +228,6 @@ def write_checkpoint(
             settings.on_stage(SaveStage(name, step, rank, work, final))
 
     def prepare() -> str | None:
-        if failed is not None:
-            raise failed
         enter("preparing")
         with translate_os_error(work):
             os.makedirs(os.path.join(work, MODEL_DIR), exist_ok=True)
@@ -373,9 +381,6 @@ def write_checkpoint(
             if exc is raw:
                 raise
             raise exc from None
-        if failed is not None and exc is failed:
-            commit.discard(work, None)  # this rank's own failure from before the save: as it was
-            raise failed from None
         if isinstance(exc, CheckpointSaveError):
             commit.discard(work, discard_final)
             # Another rank failed (its message already says where): keep the original chain.

@@ -1101,15 +1101,19 @@ class TrainingState:
                     info = fit.info(key)
                     path = _split_rest(node, key[len(f"extra.{name}.") :])
                     cur = current.get(path)
-                    if cur is not None and unloadable(cur._local_tensor if isinstance(cur, DTensor) else cur):
-                        # Not read in place (sparse, nested, overlapping): the extra gets a new
-                        # tensor of the saved values, as when its shape differs, and decides.
-                        cur = None
+                    here = cur._local_tensor if isinstance(cur, DTensor) else cur
+                    if here is not None and _nested(here):
+                        refuse_unloadable(key, here)  # before _shape(): a nested tensor has none
                     if cur is not None and _shape(cur) == info.shape and cur.dtype == info.dtype:
+                        # Read in place, as the model is: refused if it cannot be (an extra whose
+                        # load_state_dict copies into it would fail on it, or, overlapping, load
+                        # wrong without a word; found by an outside attack). A tensor of another
+                        # shape or dtype is not read into: the extra gets a new one, and decides.
+                        refuse_unloadable(key, here)
                         refuse_short_memory(key, cur)
                         t = cur  # read in place, as the model is
                         _put(live["extra"].setdefault(name, {}), path, cur)
-                    elif cur is not None and _shape(cur) == info.shape:
+                    elif cur is not None and _shape(cur) == info.shape and unloadable(here) is None:
                         t = torch.empty_like(cur, dtype=info.dtype)
                     else:
                         t = torch.empty(info.shape, dtype=info.dtype or torch.float32)
