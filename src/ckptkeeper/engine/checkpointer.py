@@ -61,7 +61,8 @@ _SYNC_SAVES_HERE = threading.local()
 
 
 TrainStateArg = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
-"""A save's ``train_state``: the mapping, or a function that returns it when the state is taken."""
+"""A save's ``train_state``: the mapping, or a function that returns it when the state is taken
+(called before the state's ``capture()``, as the manager always did)."""
 
 
 def _train_state_now(train_state: TrainStateArg) -> Mapping[str, Any] | None:
@@ -179,8 +180,10 @@ class Checkpointer:
                 checked: dict[str, float] | None = None
                 try:
                     checked = checked_metrics(step, metrics)
+                    # Before the capture: the Lightning adapter's trainer state hands it its tensors.
+                    train = _train_state_now(train_state)
                     tensors, meta = capture_to_write(state)
-                    payload = train_payload(step, _train_state_now(train_state), meta)
+                    payload = train_payload(step, train, meta)
                 except BaseException as exc:
                     # Raised here on one rank only (an extra's state_dict() failing, a train_state
                     # that cannot be stored, a NaN metric, an interrupt raised from a state_dict()),
@@ -253,9 +256,11 @@ class Checkpointer:
         with paused_gc():
             try:
                 checked = checked_metrics(step, metrics)
+                # Before the capture: the Lightning adapter's trainer state hands it its tensors.
+                train = _train_state_now(train_state)
                 tensors, meta = capture_to_write(state)
                 need, short = staging_need(tensors)
-                payload = train_payload(step, _train_state_now(train_state), meta)
+                payload = train_payload(step, train, meta)
             except BaseException as exc:
                 # Raised before the agreement on one rank only (an extra's state_dict() failing,
                 # a train_state that cannot be stored, a NaN metric, an interrupt raised from a
