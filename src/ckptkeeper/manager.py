@@ -37,7 +37,7 @@ from .engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, Trainin
 from .engine.async_runner import is_outcome
 from .engine.discovery import NOT_OURS
 from .engine.record import check_metrics
-from .engine.saving import final_path
+from .engine.saving import final_path, untouched
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -839,8 +839,15 @@ class CheckpointManager:
         except BaseException as exc:
             # Nothing was noted for this save; a checkpoint of this step saved before may be gone.
             # A ckptkeeper error is every rank's (saves fail together); anything else (Ctrl-C)
-            # may be this rank's alone, so each rank looks for itself, without a collective.
-            self._withdraw_if_gone(final_path(self.save_folder, self.step), together=isinstance(exc, CkptkeeperError))
+            # may be this rank's alone, so each rank looks for itself, without a collective. A
+            # failure the ranks agreed on before the save touched anything (one rank's own error,
+            # of any type, the others' save error) left every checkpoint as it was: a look there
+            # is not needed, and by the type alone the ranks went different ways (one into a
+            # collective the others skipped; found by an outside attack).
+            if not untouched(exc):
+                self._withdraw_if_gone(
+                    final_path(self.save_folder, self.step), together=isinstance(exc, CkptkeeperError)
+                )
             raise
         self._future = fut
         self._in_flight = None if fut is None else _InFlight(fut, path, before, book)

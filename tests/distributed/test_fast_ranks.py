@@ -623,13 +623,18 @@ def test_ctrl_c_in_one_ranks_staging_copy_is_raised_after_the_save_is_handed_ove
         assert value["steps"] == [1, 2], value
 
 
-@pytest.mark.parametrize("how", ["manager sync", "manager async", "interrupt", "nan metric", "resave"])
+@pytest.mark.parametrize(
+    "how", ["manager sync", "manager async", "interrupt", "nan metric", "resave", "manager resave", "manager fsdp1"]
+)
 def test_a_state_one_rank_cannot_take_fails_the_save_on_every_rank(tmp_path: Path, how: str, request: Any) -> None:
     # Found by an outside attack: raised on one rank before the save's first exchange (the
     # manager's json_state, an interrupt from a state_dict(), a NaN metric), the other ranks'
     # save went on and paired with that rank's next one (the async manager hung); and handed
     # to the save's first round, rank 0 had already cleared an object store's copy of the step
-    # being saved again (the checkpoint was lost).
+    # being saved again (the checkpoint was lost). Then, by a third: a re-save through the
+    # manager looked for the step's checkpoint in a collective on one rank only (its error was a
+    # save error, the failing rank's not), and an FSDP1 capture's own collectives met the first
+    # exchange of a rank that skipped its capture.
     folder = request.getfixturevalue("s3_root") if how == "resave" else str(tmp_path / "ck")
     out = run_ranks(2, workers.state_fails_on_one_rank, folder, how, out=tmp_path / "o", timeout=120)
     zero, one = _ok(out)
@@ -637,4 +642,6 @@ def test_a_state_one_rank_cannot_take_fails_the_save_on_every_rank(tmp_path: Pat
     assert named in one["error"], one
     assert "another rank" in zero["error"] or "rank 1" in zero["error"], zero
     for value in (zero, one):
-        assert value["steps"] == [1, 2] if how == "resave" else [2], value
+        # The manager saves step 0 as it starts (the pre-train checkpoint).
+        want = ([0] if how.startswith("manager") else []) + ([1, 2] if how.endswith("resave") else [2])
+        assert value["steps"] == want, value

@@ -935,8 +935,10 @@ def state_fails_on_one_rank(rank: int, folder: str, how: str) -> dict[str, Any]:
     """Rank 1 alone cannot take its state for the step-1 save (``manager sync``/``manager async``:
     a json_state object's state_dict() raises; ``interrupt``: an extra's raises KeyboardInterrupt;
     ``nan metric``: a NaN metric; ``resave``: an extra's raises while step 1, already saved, is
-    saved again). Every rank must fail that save together, nothing saved or removed, and then
-    save step 2 together."""
+    saved again; ``manager resave``: the same through the manager's save(force=True);
+    ``manager fsdp1``: a json_state object's state_dict() raises, the model being FSDP1's).
+    Every rank must fail that save together, nothing saved or removed, and then save step 2
+    together."""
     from ckptkeeper import CheckpointManager, CheckpointPolicyConfig
 
     class Failing:
@@ -956,17 +958,30 @@ def state_fails_on_one_rank(rank: int, folder: str, how: str) -> dict[str, Any]:
     error = ""
     if how.startswith("manager"):
         config = CheckpointPolicyConfig(save_interval=1000, save_async=how.endswith("async"))
-        model = nn.Linear(4, 4)
-        mgr = CheckpointManager(folder, model=model, json_state={"j": failing}, take_lease=False, config=config)
+        model: nn.Module = nn.Linear(4, 4)
+        opt = None
+        if how == "manager fsdp1":
+            # Capturing an FSDP1 model runs collectives of its own, which every rank must join.
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            model = FullyShardedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)),
+                                             device_id=torch.device("cpu"), use_orig_params=True)  # fmt: skip
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+        mgr = CheckpointManager(folder, model=model, optimizer=opt, json_state={"j": failing}, take_lease=False,
+                                config=config)  # fmt: skip
         mgr.restore()
+        if how == "manager resave":
+            mgr.save(1, wait=True)  # then saved again with force=True, failing on rank 1
         failing.exc = bad if rank == 1 else None
         try:
-            mgr.save(1, wait=True)
+            mgr.save(1, force=how == "manager resave", wait=True)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         failing.exc = None
         mgr.save(2, wait=True)
-        mgr.close()
+        mgr.close(final_save=False)
     else:
         st = TrainingState(nn.Linear(4, 4), extra={"f": failing})
         ckpt = Checkpointer()

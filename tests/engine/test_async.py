@@ -22,6 +22,7 @@ from ckptkeeper import (
     Checkpointer,
     CheckpointerCallback,
     CheckpointSaveError,
+    CkptkeeperError,
     ConfigurationError,
     TrainingState,
     state_digest,
@@ -1016,4 +1017,36 @@ def test_an_object_store_save_whose_uploads_vanish_fails_and_publishes_nothing(d
         else:
             ckpt.save(folder, 2, st)
     assert ckpt.find_checkpoints(folder) == [(1, store.join(folder, "step1"))]
+    ckpt.close()
+
+
+def test_a_train_state_function_is_called_once_per_save_also_when_over_the_staging_budget(tmp_path: Path) -> None:
+    # Found by an outside attack: over the budget the async save fell back to a synchronous one,
+    # which called the function again (the Lightning adapter's runs on_save_checkpoint hooks).
+    calls: list[int] = []
+
+    def train_state() -> dict[str, Any]:
+        calls.append(1)
+        return {"calls": len(calls)}
+
+    ckpt = Checkpointer(staging_budget_bytes=1)
+    ckpt.save_async(str(tmp_path), 1, _state(), train_state=train_state)[1].result()
+    ckpt.save(str(tmp_path), 2, _state(), train_state=train_state)
+    assert len(calls) == 2
+    assert ckpt.load(str(tmp_path / "step1"), _state())["calls"] == 1
+    ckpt.close()
+
+
+def test_a_bad_metric_is_refused_before_an_earlier_saves_failure_in_one_process(tmp_path: Path) -> None:
+    def full_at_step1(stage: SaveStage) -> None:
+        if stage.step == 1 and stage.name == "writing trainer state":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    ckpt = Checkpointer(on_stage=full_at_step1)
+    ckpt.save_async(str(tmp_path), 1, _state())
+    for _ in range(2):  # the metric, each time; the earlier failure waits for the next wait
+        with pytest.raises(ConfigurationError, match="loss"):
+            ckpt.save(str(tmp_path), 2, _state(), metrics={"loss": float("nan")})
+    with pytest.raises(CkptkeeperError, match="disk is full"):
+        ckpt.wait()
     ckpt.close()

@@ -44,6 +44,7 @@ from .saving import (
     checked_metrics,
     emit_save,
     final_path,
+    mark_untouched,
     staging_need,
     train_payload,
     write_checkpoint,
@@ -67,6 +68,51 @@ TrainStateArg = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
 
 def _train_state_now(train_state: TrainStateArg) -> Mapping[str, Any] | None:
     return train_state() if callable(train_state) else train_state
+
+
+@dataclasses.dataclass
+class _Taken:
+    """What a save takes from the caller before its first exchange (see :func:`_take_state`)."""
+
+    metrics: dict[str, float] | None = None
+    train: Mapping[str, Any] | None = None
+    tensors: dict[str, Any] = dataclasses.field(default_factory=dict)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    payload: bytes = b""
+    failed: BaseException | None = None
+
+
+def _take_state(
+    step: int, state: TrainingState, train_state: TrainStateArg, metrics: Mapping[str, float] | None, world: int
+) -> _Taken:
+    """The metrics checked, the trainer state (before the capture: the Lightning adapter's hands
+    the capture its tensors), the captured state and the trainer state's JSON.
+
+    In one process the first failure is raised. With several ranks it is kept in ``failed`` for
+    the ranks to agree on, and the capture still runs after an earlier failure: capturing an
+    FSDP1 model runs collectives of its own, which every rank must join (found by an outside
+    attack: a rank that skipped them met the others' in the save's first exchange, and gloo
+    aborted it).
+    """
+    taken = _Taken()
+    try:
+        taken.metrics = checked_metrics(step, metrics)
+        taken.train = _train_state_now(train_state)
+    except BaseException as exc:
+        if world == 1:
+            raise
+        taken.failed = exc
+    try:
+        taken.tensors, taken.meta = capture_to_write(state)
+        if taken.failed is None:
+            taken.payload = train_payload(step, taken.train, taken.meta)
+    except BaseException as exc:
+        if world == 1:
+            raise
+        taken.failed = taken.failed or exc
+    if taken.failed is not None:
+        taken.tensors, taken.meta, taken.payload = {}, {}, b""
+    return taken
 
 
 class Checkpointer:
@@ -167,6 +213,9 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self._refuse_in_sync_save("Checkpointer.save()")
+        world = D.get_world_size(self.process_group)
+        if world == 1:
+            checked_metrics(step, metrics)  # before waiting for the last save, as it always was
         # Refused only where it would block (inside the save in flight): a synchronous save uses
         # no writer thread, so a done-callback may make one.
         self._runner.wait("Checkpointer.save()")
@@ -176,24 +225,14 @@ class Checkpointer:
         try:
             # The caller waits for the whole save: the collector's pauses cost it nothing here.
             with paused_gc(), ctrl_c_after(f"the save of step {step}", self.process_group):
-                failed: BaseException | None = None
-                checked: dict[str, float] | None = None
-                try:
-                    checked = checked_metrics(step, metrics)
-                    # Before the capture: the Lightning adapter's trainer state hands it its tensors.
-                    train = _train_state_now(train_state)
-                    tensors, meta = capture_to_write(state)
-                    payload = train_payload(step, train, meta)
-                except BaseException as exc:
-                    # Raised here on one rank only (an extra's state_dict() failing, a train_state
-                    # that cannot be stored, a NaN metric, an interrupt raised from a state_dict()),
-                    # the others' save went on, and paired its exchanges with this rank's next
-                    # save: the save's first exchange, before anything is touched, raises it
-                    # everywhere.
-                    if D.get_world_size(self.process_group) == 1:
-                        raise
-                    tensors, payload, failed = {}, b"", exc
-                result = self._write(save_folder, step, tensors, payload, ephemeral, t0, checked, failed)
+                # A failure here on one rank only (an extra's state_dict() failing, a train_state
+                # that cannot be stored, a NaN metric, an interrupt raised from a state_dict())
+                # left the others' save going on, pairing its exchanges with this rank's next
+                # save: the save's first exchange, before anything is touched, raises it everywhere.
+                got = _take_state(step, state, train_state, metrics, world)
+                result = self._write(
+                    save_folder, step, got.tensors, got.payload, ephemeral, t0, got.metrics, got.failed
+                )
         finally:
             here.depth -= 1
             anyone.depth -= 1
@@ -251,23 +290,13 @@ class Checkpointer:
             # Background collectives must not share a queue with training's: a group of their own
             # (every rank starts the same saves, so every rank creates it at the same call).
             self.process_group = D.new_cpu_group()
-        broken: BaseException | None = None  # this rank's state could not be taken at all
-        checked: dict[str, float] | None = None
         with paused_gc():
-            try:
-                checked = checked_metrics(step, metrics)
-                # Before the capture: the Lightning adapter's trainer state hands it its tensors.
-                train = _train_state_now(train_state)
-                tensors, meta = capture_to_write(state)
-                need, short = staging_need(tensors)
-                payload = train_payload(step, train, meta)
-            except BaseException as exc:
-                # Raised before the agreement on one rank only (an extra's state_dict() failing,
-                # a train_state that cannot be stored, a NaN metric, an interrupt raised from a
-                # state_dict()), the others went on to save without it.
-                if D.get_world_size(self.process_group) == 1:
-                    raise
-                tensors, need, short, payload, broken = {}, 0, None, b"", exc
+            # Raised before the agreement on one rank only (an extra's state_dict() failing, a
+            # train_state that cannot be stored, a NaN metric, an interrupt raised from a
+            # state_dict()), the others went on to save without it: agreed on below.
+            got = _take_state(step, state, train_state, metrics, D.get_world_size(self.process_group))
+            tensors, payload, checked, broken = got.tensors, got.payload, got.metrics, got.failed
+            need, short = staging_need(tensors)
         over_here = self.staging_budget_bytes is not None and need > self.staging_budget_bytes
         # All ranks take the same way (error, sync or async), or some would wait in a save the
         # others never start.
@@ -277,12 +306,14 @@ class Checkpointer:
             # not be taken, fails the save everywhere, before the budget's choice.
             if not D.all_agree(short is None and broken is None, group=self.process_group):
                 if broken is not None:
-                    raise broken
+                    raise mark_untouched(broken)
                 if short is not None:
-                    raise ConfigurationError(f"step {step}: {short}; nothing was saved") from short
-                raise ConfigurationError(
-                    f"step {step}: another rank could not stage its state (a tensor it cannot stage, or its "
-                    "state_dict() or train_state failed; that rank's error says which and why); nothing was saved"
+                    raise mark_untouched(ConfigurationError(f"step {step}: {short}; nothing was saved")) from short
+                raise mark_untouched(
+                    ConfigurationError(
+                        f"step {step}: another rank could not stage its state (a tensor it cannot stage, or its "
+                        "state_dict() or train_state failed; that rank's error says which and why); nothing was saved"
+                    )
                 )
             budget = self.staging_budget_bytes or 0
             msg = (
@@ -296,8 +327,10 @@ class Checkpointer:
             log.warning("%s; saving synchronously instead", msg)
             self._stager.release()
             done: Future[SaveResult] = Future()
+            # The trainer state as taken above: its function is called once per save (the
+            # Lightning adapter's runs the user's on_save_checkpoint hooks).
             done.set_result(
-                self.save(save_folder, step, state, train_state=train_state, ephemeral=ephemeral, metrics=checked)
+                self.save(save_folder, step, state, train_state=got.train, ephemeral=ephemeral, metrics=checked)
             )
             return final_path(save_folder, step), done
         failed: Exception | None = None

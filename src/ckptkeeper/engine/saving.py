@@ -20,7 +20,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -177,6 +177,25 @@ def emit_save(r: SaveResult, is_async: bool) -> None:
          blocked_s=r.blocked_s, durable_s=r.durable_s, retries=r.retries, **{"async": is_async})  # fmt: skip
 
 
+_E = TypeVar("_E", bound=BaseException)
+_UNTOUCHED = "_ckptkeeper_nothing_touched"
+
+
+def mark_untouched(exc: _E) -> _E:
+    """``exc``, marked as a save's failure that every rank raised before anything was written or
+    removed (:func:`untouched`). The rank that failed raises its own exception, of any type: the
+    mark, not the type, tells a caller (the manager) that the ranks failed together and that no
+    checkpoint can have gone."""
+    with contextlib.suppress(AttributeError, TypeError):  # an exception that takes no attributes: unmarked
+        setattr(exc, _UNTOUCHED, True)
+    return exc
+
+
+def untouched(exc: BaseException) -> bool:
+    """Whether ``exc`` was marked by :func:`mark_untouched`."""
+    return bool(getattr(exc, _UNTOUCHED, False))
+
+
 def write_checkpoint(
     settings: SaveSettings,
     commit: CommitMethod,
@@ -205,10 +224,12 @@ def write_checkpoint(
     rank, world = D.get_rank(pg), D.get_world_size(pg)
     if world > 1 and not D.all_agree(failed is None, group=pg):
         if failed is not None:
-            raise failed
-        raise CheckpointSaveError(
-            f"step {step}: another rank could not take its state for the save (that rank's error says why); "
-            "nothing was saved or removed"
+            raise mark_untouched(failed)
+        raise mark_untouched(
+            CheckpointSaveError(
+                f"step {step}: another rank could not take its state for the save (that rank's error says why); "
+                "nothing was saved or removed"
+            )
         )
     if failed is not None:
         raise failed  # one process: nothing else waits for it
