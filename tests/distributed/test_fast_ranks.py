@@ -587,7 +587,7 @@ def test_a_tensor_one_rank_cannot_save_fails_every_rank_on_the_dcp_and_staging_p
     named = {
         "no memory": "allocate memory",
         "state_dict raises": "state_dict failed",
-        "train state": "trainer state cannot be stored",
+        "train state": "the train_state cannot be stored",
     }
     assert named.get(kind, "extra.b.t") in one["error"], one
     assert "rank 1" in zero["error"] or "another rank" in zero["error"], zero

@@ -1050,3 +1050,22 @@ def test_a_bad_metric_is_refused_before_an_earlier_saves_failure_in_one_process(
     with pytest.raises(CkptkeeperError, match="disk is full"):
         ckpt.wait()
     ckpt.close()
+
+
+def test_state_that_json_cannot_store_is_named_with_the_advice_for_its_part(tmp_path: Path) -> None:
+    # The one message had told a train_state's owner to fix state_dict() values (a state's own
+    # values are refused by name as they are captured).
+    class Odd:
+        def state_dict(self) -> dict[str, Any]:
+            return {"when": object()}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            pass
+
+    ckpt = Checkpointer()
+    with pytest.raises(CheckpointSaveError, match=r"the train_state cannot be stored as JSON.*tensors belong"):
+        ckpt.save(str(tmp_path), 1, _state(), train_state={"when": object()})
+    with pytest.raises(ConfigurationError, match=r"extra\.odd\.when holds a object.*state_dict\(\)"):
+        ckpt.save(str(tmp_path), 2, TrainingState(torch.nn.Linear(2, 2), extra={"odd": Odd()}))
+    assert ckpt.find_checkpoints(str(tmp_path)) == []
+    ckpt.close()

@@ -151,9 +151,17 @@ def train_payload(step: int, train_state: Mapping[str, Any] | None, meta: Mappin
     try:
         return json.dumps(doc).encode()
     except (TypeError, ValueError) as exc:
+        # Which of the two it is, asked only now: the advice differs (a train_state holds no tensors).
+        try:
+            json.dumps(doc["train_state"])
+        except (TypeError, ValueError):
+            raise CheckpointSaveError(
+                f"step {step}: the train_state cannot be stored as JSON ({exc}); keep its values to numbers, "
+                "strings, booleans, None, lists and dicts (tensors belong in the model, optimizer or extras)"
+            ) from exc
         raise CheckpointSaveError(
-            f"step {step}: trainer state cannot be stored as JSON ({exc}); keep state_dict() values to "
-            "tensors, numbers, strings, lists and dicts"
+            f"step {step}: the state's non-tensor values cannot be stored as JSON ({exc}); keep state_dict() "
+            "values to tensors, numbers, strings, lists and dicts"
         ) from exc
 
 
