@@ -7,6 +7,7 @@ read, check and copy exactly as the general reader does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -369,3 +370,87 @@ def test_a_run_that_cannot_be_prepared_is_raised_once_the_reads_in_flight_are_do
             fetch_and_place(pool, [], runs(), fetch, lambda run, got: placed.append(got), ahead=3)
         assert sorted(fetched) == [1, 2]  # nothing still writing when the error came out
     assert placed == []  # and nothing placed once a run had failed
+
+
+def test_a_twin_stands_for_a_destinations_checks_only_where_its_parameter_passed_them(tmp_path: Path) -> None:
+    # The plan marks the tensors it made itself (LoadPlan.flat's twins) so that plan_flat does not
+    # look at each again. A twin that is not a destination that passed (left out of the plan, or
+    # unplaceable) must count for nothing: the tensor is looked at as any other.
+    tables, index, sizes = _write(tmp_path)
+    flat = flat_index(tables[shard_name(0)], shard_name(0), index, 2, sizes)
+    from ckptkeeper.engine.state import MADE_PLAIN
+
+    w0, w1 = _local("w0", 0).clone(), _local("w1", 0).clone()  # w1: w0's shape, shard and dtype
+    plain = [("w0", w0, None), ("w1", w1, None), ("s0", torch.zeros(()), None), ("s1", torch.zeros(()), None)]
+    twins = [("w0", w0, None), ("w1", w1, w0), ("s0", torch.zeros(()), MADE_PLAIN), ("s1", torch.zeros(()), MADE_PLAIN)]
+
+    def placed(leaves: list[Any]) -> list[tuple[str, int, tuple[int, ...]]] | None:
+        got = plan_flat({}, flat, 2, leaves)
+        return None if got is None else [(r.fqn, r.start, tuple(r.dest.shape)) for r in got]
+
+    assert placed(twins) == placed(plain) is not None
+    # Twins whose parameter is not among the destinations, or whose parameter was refused: the
+    # destination's own facts decide (another dtype, a transposed view: DCP's reader takes the load).
+    stranger = torch.zeros(2, 3)
+    for bad in (w1.double(), torch._neg_view(w1), w1.t().contiguous().t()):
+        assert placed([("w1", bad, None)]) is None
+        assert placed([("w1", bad, stranger)]) is None
+        # w0 is refused too (a view that is not contiguous): nothing is planned, its twin aside.
+        assert placed([("w0", w0.t().contiguous().t(), None), ("w1", bad, w0)]) is None
+
+
+def _facts(t: torch.Tensor) -> tuple[Any, ...]:
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.device, tuple(local.shape), local.stride(), local.layout
+
+
+@pytest.mark.parametrize("case", ["plain", "transposed", "bf16 slots saved as fp32", "dtensor", "meta context"])
+def test_the_twins_a_plan_gives_tell_the_truth_about_the_tensors_it_made(case: str, request: Any) -> None:
+    # plan_flat trusts a twin instead of looking at the tensor: each must be exactly what its
+    # docstring says (the parameter's device, shape, strides and spec with the checkpoint's dtype;
+    # or a contiguous CPU tensor), also where a device context moves what torch.empty makes.
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from ckptkeeper import TrainingState
+    from ckptkeeper.engine.state import MADE_PLAIN, flatten_tensors
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+    if case == "transposed":
+        model[0].weight = nn.Parameter(torch.randn(6, 8).t())  # a parameter that is not contiguous
+    if case == "dtensor":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=request.getfixturevalue("mesh"))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    st = TrainingState(model, opt)
+    tensors, meta = st.capture()
+    saved = {k: SavedTensor(tuple(t.shape), t.dtype) for k, t in flatten_tensors(tensors)}
+    if case == "bf16 slots saved as fp32":
+        model.to(torch.bfloat16)
+        opt.state.clear()
+    with torch.device("meta") if case == "meta context" else contextlib.nullcontext():
+        plan = st.plan_load(saved, meta, "here")
+    assert plan.flat is not None
+    twinned = 0
+    for key, t, twin in plan.flat:
+        if twin is None:
+            continue
+        twinned += 1
+        assert t.dtype == saved[key].dtype, key
+        if twin is MADE_PLAIN:
+            assert t.is_cpu and t.is_contiguous() and tuple(t.shape) == saved[key].shape, key
+            assert not (t.is_conj() or t.is_neg()), key
+            continue
+        assert _facts(t) == _facts(twin), key
+        if isinstance(twin, DTensor):
+            assert isinstance(t, DTensor) and t._spec is twin._spec, key
+    # Every optimizer slot has one, except where a device context put torch.empty's off the CPU.
+    slots = sum(1 for key, _, _ in plan.flat if key.startswith("optim."))
+    steps = sum(1 for key, _, _ in plan.flat if key.endswith(".step"))
+    assert twinned == (slots - steps if case == "meta context" else slots) > 0

@@ -975,7 +975,7 @@ def test_a_plans_flat_list_is_exactly_the_leaves_of_its_tree() -> None:
             plan = loose.plan_load(cut, meta, "here")
             assert plan.flat is not None
             from_tree = sorted((name, id(t)) for name, _, t in _leaves(plan.tensors))
-            assert from_tree and sorted((name, id(t)) for name, t in plan.flat) == from_tree
+            assert from_tree and sorted((name, id(t)) for name, t, _ in plan.flat) == from_tree
             assert len(plan.flat) == len(from_tree)
 
 

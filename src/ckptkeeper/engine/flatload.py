@@ -59,7 +59,7 @@ from .sharded import (
     table_columns,
     table_short,
 )
-from .state import SavedTensor
+from .state import MADE_PLAIN, FlatLeaf, SavedTensor
 
 __all__ = ["FlatIndex", "FlatRead", "NotPlaced", "flat_index", "flat_segments", "plan_flat", "read_flat"]
 
@@ -137,50 +137,67 @@ def plan_flat(
     tensors: Mapping[str, Any],
     index: FlatIndex,
     world: int,
-    leaves: list[tuple[str, torch.Tensor]] | None = None,
+    leaves: list[FlatLeaf] | None = None,
 ) -> list[FlatRead] | None:
     """The reads of every destination in ``tensors``, one piece each, in read order; None when a
     destination is one no fast reader takes (the caller uses DCP's reader, as the general planner
     would). :class:`NotPlaced` when a destination is not exactly one piece of ``index``.
-    ``leaves``: every leaf of ``tensors`` as (dotted name, tensor), when the caller has them
+    ``leaves``: every leaf of ``tensors`` as (dotted name, tensor, twin), when the caller has them
     (:attr:`~ckptkeeper.engine.state.LoadPlan.flat`)."""
     reads: list[FlatRead] = []
     saved, spots = index.saved, index.spots
     new, append = tuple.__new__, reads.append
     if leaves is None:
-        leaves = [(fqn, value) for fqn, _, value in _leaves(tensors)]
+        leaves = [(fqn, value, None) for fqn, _, value in _leaves(tensors)]
     # (local shape, global offsets) by id(spec), for this call only (every leaf, and with it its
     # spec, lives until it returns): a parameter's optimizer slots share its spec object, so
     # most DTensors skip _region's checks of a spec it has seen (3-4 ms at 10,000 tensors, measured).
     boxes: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}
-    for order, (fqn, value) in enumerate(leaves):
-        if (
-            isinstance(value, DTensor)
-            and (box := boxes.get(id(value._spec))) is not None
-            and value._local_tensor.shape == box[0]
-        ):
-            local, offsets = value._local_tensor, box[1]
-        else:
-            region = _region(value, world)
-            if region is None:
+    # (local shape, global offsets) by id() of each leaf that passed every check below, for the
+    # tensors the plan made from it (their twin, see FlatLeaf): they pass them too, by how they
+    # were made, and are only placed (the checks were a third of this function at 10,000 tensors).
+    passed: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}
+    for order, (fqn, value, twin) in enumerate(leaves):
+        if twin is not None:
+            if twin is MADE_PLAIN:
+                local = value
+                shape = local.shape
+                offsets: tuple[int, ...] = (0,) * len(shape)
+            elif (known := passed.get(id(twin))) is not None:
+                local = value._local_tensor if isinstance(value, DTensor) else value
+                shape, offsets = known
+            else:
+                twin = None
+        if twin is None:
+            if (
+                isinstance(value, DTensor)
+                and (box := boxes.get(id(value._spec))) is not None
+                and value._local_tensor.shape == box[0]
+            ):
+                local, offsets = value._local_tensor, box[1]
+            else:
+                region = _region(value, world)
+                if region is None:
+                    return None
+                local, offsets, _ = region  # the global shape was checked by plan_load
+                if isinstance(value, DTensor):
+                    boxes[id(value._spec)] = (local.shape, offsets)
+            info = saved.get(fqn)
+            if (
+                info is None
+                or info.dtype != local.dtype
+                or not _usable(local)
+                or not local.is_contiguous()
+                # Its memory holds the conjugated or negated values: raw bytes copied there would load
+                # them wrong (found by an outside attack). DCP's reader copies through the view.
+                or local.is_conj()
+                or local.is_neg()
+            ):
                 return None
-            local, offsets, _ = region  # the global shape was checked by plan_load
-            if isinstance(value, DTensor):
-                boxes[id(value._spec)] = (local.shape, offsets)
-        info = saved.get(fqn)
-        if (
-            info is None
-            or info.dtype != local.dtype
-            or not _usable(local)
-            or not local.is_contiguous()
-            # Its memory holds the conjugated or negated values: raw bytes copied there would load
-            # them wrong (found by an outside attack). DCP's reader copies through the view.
-            or local.is_conj()
-            or local.is_neg()
-        ):
-            return None
+            shape = local.shape
+            passed[id(value)] = (shape, offsets)
         spot = spots.get(fqn)
-        if spot is None or spot[2].offsets != offsets or local.shape != spot[2].sizes:
+        if spot is None or spot[2].offsets != offsets or shape != spot[2].sizes:
             if local.numel() == 0:
                 continue  # nothing to read (an empty shard): placed or not
             raise NotPlaced(fqn)

@@ -266,10 +266,28 @@ class LoadPlan:
     """A subclass with its own capture()/restore() (or an FSDP1 model): restore() applies it."""
     undo: dict[str, Any] = field(default_factory=dict)
     """What :meth:`TrainingState.undo_load` puts back after a failed apply."""
-    flat: list[tuple[str, torch.Tensor]] | None = None
-    """Every leaf of ``tensors`` as (dotted checkpoint key, tensor), made while planning; None when
-    not made (readers then walk ``tensors``). Walking the tree again cost a readers' planning a
-    tenth of its time at 10,000 tensors: a path tuple and a joined name per leaf."""
+    flat: list[FlatLeaf] | None = None
+    """Every leaf of ``tensors`` as (dotted checkpoint key, tensor, twin), made while planning; None
+    when not made (readers then walk ``tensors``). Walking the tree again cost a readers' planning a
+    tenth of its time at 10,000 tensors: a path tuple and a joined name per leaf. See
+    :data:`FlatLeaf` for the twin."""
+
+
+FlatLeaf = tuple[str, torch.Tensor, Any]
+"""A leaf of :attr:`LoadPlan.flat`: (dotted checkpoint key, tensor, twin). The twin says what the
+plan knows of a tensor it made itself, so that a reader need not look at it again (each look at a
+tensor's facts is a Python call, and the plan makes two of every three tensors of an AdamW state):
+
+- the parameter it was made from (an optimizer slot of the parameter's shape): it has the
+  checkpoint's dtype, and the parameter's device, layout, strides and sharding spec, so it can be
+  read however the parameter can;
+- :data:`MADE_PLAIN`: a new contiguous CPU tensor of the checkpoint's shape and dtype (only where
+  ``torch.empty`` made it on the CPU);
+- None: nothing is known (a live tensor, or one made otherwise): a reader looks at it.
+"""
+
+MADE_PLAIN: Any = object()
+"""The twin of a tensor the plan made with ``torch.empty`` (see :data:`FlatLeaf`)."""
 
 
 def _leaves(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
@@ -1027,7 +1045,7 @@ class TrainingState:
         live: dict[str, Any] = {}
         meta: dict[str, Any] = {}
         undo: dict[str, Any] = {}  # values of several kinds: see undo_load
-        flat: list[tuple[str, torch.Tensor]] = []  # LoadPlan.flat
+        flat: list[FlatLeaf] = []  # LoadPlan.flat
 
         # The model: read in place, key for key. Its tensors as the model holds them (not detached:
         # rewrapping cost a few microseconds per parameter): every reader writes their memory
@@ -1047,7 +1065,7 @@ class TrainingState:
             if fit.take(key, t):
                 refuse_unloadable(key[len("model.") :], local)  # read in place: missing or mismatched ones are not
                 _put(model_t, path, t)
-                flat.append((key, t))
+                flat.append((key, t, None))
                 if local.is_meta:
                     unmade.append(key[len("model.") :])
                 else:
@@ -1118,7 +1136,7 @@ class TrainingState:
                     else:
                         t = torch.empty(info.shape, dtype=info.dtype or torch.float32)
                     _put(sub, path, t)
-                    flat.append((key, t))
+                    flat.append((key, t, None))
                 tensors["extra"][name], meta["extra"][name] = sub, node
                 undo["extra"][name] = (old_t, old_m)
 
@@ -1132,7 +1150,7 @@ class TrainingState:
         fit: _Fit,
         where: str,
         known: dict[str, str] | None = _UNSET,
-        flat: list[tuple[str, torch.Tensor]] | None = None,
+        flat: list[FlatLeaf] | None = None,
     ) -> dict[str, Any] | None:
         """The optimizer's part of :meth:`plan_load`; each tensor it makes is also added to ``flat``
         (see :attr:`LoadPlan.flat`) under its checkpoint key."""
@@ -1233,22 +1251,30 @@ class TrainingState:
             sub: dict[str, Any] = {}
             # A DTensor's shard and spec, looked up once per parameter (each look is a Python call).
             like = (p._local_tensor, p._spec, p.dtype) if isinstance(p, DTensor) else None
+            plain = type(p) in _PLAIN and not isinstance(p, DTensor)
             for rest, info in slots.items():
-                dtype = info.dtype or torch.float32
+                dtype = info.dtype
                 # With the parameter's shape: its device and sharding (a DTensor); otherwise a plain
-                # tensor that load_state_dict moves where it belongs.
+                # tensor that load_state_dict moves where it belongs. The twin (see FlatLeaf) only
+                # where the checkpoint gives the dtype (a reader refuses a slot of none).
                 if not (shape and info.shape == shape):
-                    t = torch.empty(info.shape, dtype=dtype)
+                    t = torch.empty(info.shape, dtype=dtype or torch.float32)
+                    # On the CPU unless a default device or a device context says otherwise: then
+                    # a reader looks at it (and leaves it to DCP's reader).
+                    twin = MADE_PLAIN if dtype is not None and t.is_cpu else None
                 elif like is not None and like[2] == dtype:
-                    t = _dtensor(torch.empty_like(like[0]), like[1])  # what _empty_like makes, without its checks
+                    # What _empty_like makes, without its checks: empty_like keeps the shard's strides.
+                    t = _dtensor(torch.empty_like(like[0]), like[1])
+                    twin = p
                 else:
-                    t = _empty_like(p, dtype)
+                    t = _empty_like(p, dtype or torch.float32)
+                    twin = p if plain and dtype is not None else None
                 if "." in rest:
                     _put(sub, _split_rest(node, rest), t)
                 else:
                     sub[rest] = t  # an optimizer slot's usual name: nothing to follow (see _split_rest)
                 if flat is not None:
-                    flat.append((f"optim.state.{fqn}.{rest}", t))
+                    flat.append((f"optim.state.{fqn}.{rest}", t, twin))
             state_t[fqn], state_m[fqn] = sub, node
         return {"tensors": state_t, "json": state_m, "names": names, "groups": saved_groups, "pairs": pairs}
 
