@@ -6,7 +6,8 @@ once per save by :func:`commit_method_for`:
 
 * :class:`RenameCommit` (local and shared filesystems): all ranks write into one hidden
   ``.tmp-step{N}-<id>`` folder inside the save folder; rank 0 writes the commit record into it
-  and renames the folder into place.
+  and renames the folder into place (where a checkpoint of the step is already, the two folders
+  swap places in one step on Linux, so the step always has one).
 * :class:`RecordLastCommit` (object stores, no rename): each rank writes into a local spool and
   uploads its own files after announcing them in an upload intent; rank 0 creates the commit
   record last, create-only. Data objects without a record are invisible to readers, and the
@@ -27,9 +28,19 @@ from typing import Protocol
 
 from ..errors import CheckpointSaveError
 from ..storage import Storage
+from ..storage import local as _local
 from ..storage.base import Upload
 from ..storage.layout import COMMIT_RECORD, scratch_name
-from .deleter import clean_leftover, local_record_is_ours, new_spool, read_intents, record_is_ours, write_intent
+from ..storage.local import fsync_dir, translate_os_error
+from .deleter import (
+    clean_leftover,
+    local_record_is_ours,
+    new_spool,
+    read_intents,
+    record_is_ours,
+    unlisted_local_files,
+    write_intent,
+)
 from .record import CommitRecord
 
 __all__ = ["CommitMethod", "RecordLastCommit", "RenameCommit", "clear_target", "commit_method_for"]
@@ -92,6 +103,7 @@ class RenameCommit:
     def prepare(self, final: str) -> None:
         # The old checkpoint of this step (if any) stays until the new one is in place.
         clear_target(self.storage, final, self._remove, check_only=True)
+        _refuse_foreign_files(self.storage, final)
 
     def stream(self, final: str, rank: int, rel: str, token: str) -> Upload | None:
         return None
@@ -116,6 +128,25 @@ class RenameCommit:
             record, size_of, lambda rel: os.path.join(work, rel), "a file of this checkpoint", " from its work folder"
         )
         self.storage.write_bytes(os.path.join(work, COMMIT_RECORD), record.to_json())
+        clear_target(self.storage, final, self._remove, check_only=True)
+        # Checked again: files may have been put there while the save ran (nothing is removed yet).
+        _refuse_foreign_files(self.storage, final)
+        old = self.storage.local_path(final)
+        if old is not None and os.path.isdir(old) and not os.path.islink(old):
+            # A checkpoint of this step is there: the two folders swap places in one step, so that
+            # the step never has no checkpoint (removing the old one first left a moment without
+            # any, and a kill then lost the step). The old one then lies under the work folder's
+            # hidden name, which no listing shows and the next run's clean-up deletes if this
+            # process dies before it does.
+            try:
+                with translate_os_error(final):
+                    swapped = _local.exchange_paths(work, old)
+            except FileNotFoundError:
+                swapped = False  # removed meanwhile (another process's retention): renamed into place below
+            if swapped:
+                fsync_dir(os.path.dirname(old) or ".")
+                shutil.rmtree(work, ignore_errors=True)
+                return
         clear_target(self.storage, final, self._remove)
         self.storage.rename_dir(work, final)
 
@@ -210,6 +241,28 @@ def commit_method_for(storage: Storage, remove: Remove, spool_dir: str | None, u
     if storage.supports_rename:
         return RenameCommit(storage, remove)
     return RecordLastCommit(storage, remove, spool_dir, upload_threads)
+
+
+def _refuse_foreign_files(storage: Storage, final: str) -> None:
+    """Raise CheckpointSaveError when the local checkpoint at ``final`` holds files its record does
+    not list (somebody's: eval outputs, notes).
+
+    A new checkpoint of the step cannot take that folder's place without taking those files along
+    or leaving them behind: into its hidden work folder (deleted whole if the process dies), or
+    with the old checkpoint. Nor can it be renamed onto a folder they keep from being empty (that
+    is how such a save lost both checkpoints, found here). The user decides where they go.
+    """
+    local = storage.local_path(final)
+    if local is None or os.path.islink(local) or not os.path.isdir(local):
+        return
+    foreign = unlisted_local_files(local)
+    if foreign:
+        more = f" (and {len(foreign) - 3} more)" if len(foreign) > 3 else ""
+        raise CheckpointSaveError(
+            f"{local} holds files ckptkeeper did not write ({', '.join(sorted(foreign)[:3])}{more}), so a new "
+            "checkpoint of this step cannot take its place; move them out of the folder, or save under another "
+            "step (the checkpoint there is unchanged)"
+        )
 
 
 def clear_target(storage: Storage, final: str, remove: Remove, check_only: bool = False) -> None:

@@ -56,6 +56,7 @@ __all__ = [
     "remove_checkpoint",
     "step_path",
     "sweep_dead_spools",
+    "unlisted_local_files",
     "write_intent",
 ]
 
@@ -181,7 +182,7 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
                 f"refusing to remove {local}: it has no ckptkeeper commit record, so ckptkeeper cannot tell it "
                 "wrote it (an OLMo-core checkpoint, or somebody else's folder); delete it yourself if it is not needed"
             )
-        foreign = _unlisted_local_files(local)
+        foreign = unlisted_local_files(local)
         if foreign is None:
             return False  # the record went since it was checked: another remover is at work on it
         if foreign:
@@ -325,7 +326,7 @@ class Deleter:
         return failures
 
 
-def _unlisted_local_files(folder: str) -> list[str] | None:
+def unlisted_local_files(folder: str) -> list[str] | None:
     """Files and links in a local checkpoint that its record does not name (nor its intents).
 
     None when the record is gone (it was there a moment ago: another remover deleted it first).

@@ -9,19 +9,55 @@ folder is fsynced, so after a crash a reader sees the old file or the new one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import shutil
 import stat
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 from ..errors import DiskFullError, StorageAccessError
 from .base import FileInfo, Storage
 
-__all__ = ["LocalStorage", "fsync_dir", "open_regular", "translate_os_error"]
+__all__ = ["LocalStorage", "exchange_paths", "fsync_dir", "open_regular", "translate_os_error"]
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+_NO_EXCHANGE = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV}
+_renameat2: Any = None
+
+
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap two existing paths on one filesystem in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the system or the filesystem has no such swap (the caller
+    then does without), OSError for any other failure.
+
+    Why by hand (ctypes): Python's ``os`` has no ``renameat2``, and no maintained library wraps it.
+    It lets a new checkpoint take the place of an old one of the same step with no moment at
+    which that step has none (a rename cannot replace a folder that is not empty).
+    """
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (AttributeError, OSError):  # not glibc 2.28+ (macOS, musl before 1.2.5...)
+            _renameat2 = False
+    if _renameat2 is False:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(_strip(a)), _AT_FDCWD, os.fsencode(_strip(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), a)
 
 
 def fsync_dir(path: str) -> None:
