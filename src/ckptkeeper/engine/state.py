@@ -281,8 +281,8 @@ tensor's facts is a Python call, and the plan makes two of every three tensors o
 - the parameter it was made from (an optimizer slot of the parameter's shape): it has the
   checkpoint's dtype, and the parameter's device, layout, strides and sharding spec, so it can be
   read however the parameter can;
-- :data:`MADE_PLAIN`: a new contiguous CPU tensor of the checkpoint's shape and dtype (only where
-  ``torch.empty`` made it on the CPU);
+- :data:`MADE_PLAIN`: a new contiguous CPU tensor of the checkpoint's shape and dtype, neither
+  sparse nor quantized (only where ``torch.empty`` made such a tensor);
 - None: nothing is known (a live tensor, or one made otherwise): a reader looks at it.
 """
 
@@ -1259,9 +1259,11 @@ class TrainingState:
                 # where the checkpoint gives the dtype (a reader refuses a slot of none).
                 if not (shape and info.shape == shape):
                     t = torch.empty(info.shape, dtype=dtype or torch.float32)
-                    # On the CPU unless a default device or a device context says otherwise: then
-                    # a reader looks at it (and leaves it to DCP's reader).
-                    twin = MADE_PLAIN if dtype is not None and t.is_cpu else None
+                    # On the CPU unless a default device or a device context says otherwise, and
+                    # plain unless the dtype is a quantized one (torch.empty then makes a quantized
+                    # tensor, whose scale raw bytes do not carry; found by an outside attack): a
+                    # reader looks at those (and leaves them to DCP's reader).
+                    twin = MADE_PLAIN if dtype is not None and t.is_cpu and not t.is_quantized else None
                 elif like is not None and like[2] == dtype:
                     # What _empty_like makes, without its checks: empty_like keeps the shard's strides.
                     t = _dtensor(torch.empty_like(like[0]), like[1])
