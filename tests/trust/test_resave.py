@@ -20,7 +20,7 @@ _CHILD = r"""
 import os, sys, torch
 from ckptkeeper import Checkpointer, TrainingState
 from ckptkeeper.storage import local as local_mod
-folder, where = sys.argv[1], sys.argv[2]
+folder, where, swap = sys.argv[1], sys.argv[2], sys.argv[3] == "swap"
 final = os.path.join(folder, "step5")
 real_rename, real_exchange = os.rename, local_mod.exchange_paths
 
@@ -31,7 +31,7 @@ def rename(src, dst, *args, **kwargs):
     return real_rename(src, dst, *args, **kwargs)
 
 def exchange(a, b):
-    done = real_exchange(a, b)
+    done = real_exchange(a, b) if swap else False  # False: a filesystem without the swap
     if where == "after the swap" and done:
         os._exit(9)  # the new checkpoint in place, the old one not yet deleted
     return done
@@ -54,21 +54,28 @@ def _loaded(path: Path) -> str:
     return state_digest(model)
 
 
-@pytest.mark.parametrize("where", ["hand-over", "after the swap"])
+@pytest.mark.parametrize(
+    ("where", "swap"), [("hand-over", "swap"), ("after the swap", "swap"), ("hand-over", "no swap")]
+)
 def test_a_kill_while_a_step_is_saved_again_leaves_a_complete_checkpoint_of_that_step(
-    tmp_path: Path, where: str
+    tmp_path: Path, where: str, swap: str
 ) -> None:
     old, new = state_digest(_model(0)), state_digest(_model(1))
     Checkpointer().save(str(tmp_path), 5, TrainingState(_model(0)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), *sys.path])}
-    argv = [sys.executable, "-c", _CHILD, str(tmp_path), where]
+    argv = [sys.executable, "-c", _CHILD, str(tmp_path), where, swap]
     child = subprocess.run(argv, env=env, capture_output=True, timeout=120)
     assert child.returncode in (0, 9), child.stderr.decode()[-2000:]
-    # step5 holds a complete checkpoint: the old one, or the new one once it was in place.
-    assert _loaded(tmp_path / "step5") in ({old, new} if where == "hand-over" else {new})
+    if swap == "swap":
+        # step5 holds a complete checkpoint at every moment: the old one, or the new one once in place.
+        assert _loaded(tmp_path / "step5") in ({old, new} if where == "hand-over" else {new})
+    else:
+        # Without a swap the old one went to trash first: killed then, the step has none until the
+        # next run opens the folder and puts the complete new one (its record written) in place.
+        assert child.returncode == 9 and not (tmp_path / "step5").exists()
     clean_save_folder(str(tmp_path))  # what the next run does when it opens the folder
     assert sorted(os.listdir(tmp_path)) == ["step5"]
-    assert _loaded(tmp_path / "step5") in {old, new}
+    assert _loaded(tmp_path / "step5") in ({old, new} if swap == "swap" else {new})
 
 
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "without a swap"])
@@ -126,3 +133,97 @@ class _Hook:
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         pass
+
+
+@pytest.mark.parametrize("change", ["a file appears", "its record goes"])
+def test_a_step_folder_changed_just_before_the_swap_is_put_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    # Found by an outside attack: a file put in the folder (or its record removed by another
+    # process's retention) between the last check and the swap went out with the old checkpoint
+    # and was deleted with it.
+    ck = Checkpointer()
+    ck.save(str(tmp_path), 5, TrainingState(_model(0)))
+    real = local_mod.exchange_paths
+    notes = tmp_path / "step5" / "eval.json"
+
+    def late(a: str, b: str) -> bool:
+        if not notes.exists():
+            notes.write_text("{}")
+            if change == "its record goes":
+                (tmp_path / "step5" / ".metadata.json").unlink()
+        return real(a, b)
+
+    monkeypatch.setattr(local_mod, "exchange_paths", late)
+    why = "eval.json" if change == "a file appears" else "removed by something"
+    with pytest.raises(CheckpointSaveError, match=why):
+        ck.save(str(tmp_path), 5, TrainingState(_model(1)))
+    assert notes.read_text() == "{}"
+    if change == "a file appears":
+        assert _loaded(tmp_path / "step5") == state_digest(_model(0))
+    clean_save_folder(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["step5"]
+
+
+def test_a_replaced_checkpoint_is_removed_as_removals_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by an outside attack: the replaced checkpoint was deleted silently (no remove event, a
+    # failed deletion neither logged nor returned by wait_for_removals).
+    import json
+
+    from ckptkeeper.engine import deleter as deleter_mod
+
+    sink = tmp_path / "events.jsonl"
+    monkeypatch.setenv("CKPTKEEPER_METRICS", str(sink))
+    folder = tmp_path / "run"
+    ck = Checkpointer()
+    ck.save(str(folder), 5, TrainingState(_model(0)))
+    ck.save(str(folder), 5, TrainingState(_model(1)))
+    events = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["save", "remove", "save"]
+    assert events[1]["path"] == str(folder / "step5") and events[1]["step"] == 5
+    assert ck.wait_for_removals() == []
+    monkeypatch.setattr(deleter_mod, "_rmtree_collecting", lambda folder: [f"{folder}/x (Operation not permitted)"])
+    ck.save(str(folder), 5, TrainingState(_model(0)))  # succeeds: the new checkpoint is in place
+    assert _loaded(folder / "step5") == state_digest(_model(0))
+    failures = ck.wait_for_removals()
+    assert [p for p, _ in failures] == [str(folder / "step5")] and "Operation not permitted" in str(failures[0][1])
+    monkeypatch.undo()
+    clean_save_folder(str(folder))  # the trash left behind
+    assert sorted(os.listdir(folder)) == ["step5"]
+
+
+def test_a_subclass_that_removes_its_own_way_is_asked_for_the_replaced_checkpoint(tmp_path: Path) -> None:
+    removed: list[str] = []
+
+    class Archiving(Checkpointer):
+        def remove(self, path: str, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+            removed.append(os.path.basename(path))
+            super().remove(path)
+
+    ck = Archiving()
+    ck.save(str(tmp_path), 5, TrainingState(_model(0)))
+    ck.save(str(tmp_path), 5, TrainingState(_model(1)))
+    assert removed == ["step5"]
+    assert _loaded(tmp_path / "step5") == state_digest(_model(1))
+
+
+def test_only_a_complete_work_folder_of_a_missing_step_is_put_in_place(tmp_path: Path) -> None:
+    ck = Checkpointer()
+    for step in (5, 7, 8, 9):
+        ck.save(str(tmp_path), step, TrainingState(_model(step)))
+    os.rename(tmp_path / "step7", tmp_path / ".tmp-step7-0000000a")  # complete, its step gone: put back
+    os.rename(tmp_path / "step8", tmp_path / ".tmp-step8-0000000b")  # damaged: deleted, as before
+    data = next(p for p in (tmp_path / ".tmp-step8-0000000b").rglob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:-1])
+    os.rename(tmp_path / "step9", tmp_path / ".tmp-step6-0000000c")  # another step's record: deleted
+    ck.save(str(tmp_path), 9, TrainingState(_model(9)))
+    copy = tmp_path / ".tmp-step5-0000000d"  # its step is there: deleted
+    copy.mkdir()
+    for f in (tmp_path / "step5").rglob("*"):
+        if f.is_file():
+            (copy / f.relative_to(tmp_path / "step5")).parent.mkdir(parents=True, exist_ok=True)
+            (copy / f.relative_to(tmp_path / "step5")).write_bytes(f.read_bytes())
+    gone = sorted(os.path.basename(g) for g in clean_save_folder(str(tmp_path)))
+    assert gone == [".tmp-step5-0000000d", ".tmp-step6-0000000c", ".tmp-step8-0000000b"]
+    assert sorted(os.listdir(tmp_path)) == ["step5", "step7", "step9"]
+    assert _loaded(tmp_path / "step7") == state_digest(_model(7))

@@ -32,7 +32,7 @@ from . import discovery, loading
 from .agreement import ctrl_c_after
 from .async_runner import AsyncRunner
 from .commit import commit_method_for
-from .deleter import Deleter, clean_save_folder, remove_checkpoint
+from .deleter import Deleter, clean_save_folder, discard_replaced, remove_checkpoint
 from .discovery import CheckpointInfo
 from .gcpause import paused_gc
 from .record import CommitRecord
@@ -438,7 +438,13 @@ class Checkpointer:
     ) -> SaveResult:
         # Settings are read now: the manager may give the checkpointer its process group late.
         settings = SaveSettings(self.process_group, self.writer, self.io_threads, self.on_stage, self._save_memo)
-        commit = commit_method_for(storage_for(save_folder), self.remove, self.spool_dir, self.upload_threads)
+        # A subclass's own remove() is called for a checkpoint a save of its step replaces (it may
+        # archive instead of delete): that means the old way, old one out first, then the new one in.
+        swap = type(self).remove is Checkpointer.remove
+        commit = commit_method_for(
+            storage_for(save_folder), self.remove, self.spool_dir, self.upload_threads,
+            self._discard_replaced if swap else None,
+        )  # fmt: skip
         return write_checkpoint(settings, commit, save_folder, step, tensors, payload, ephemeral, t0, metrics, failed)
 
     # ------------------------------------------------------------------ discovery
@@ -516,6 +522,10 @@ class Checkpointer:
             remove_checkpoint(path, run_in_background)
         else:
             self.deleter.remove(path, background=background)
+
+    def _discard_replaced(self, hidden: str, final: str) -> None:
+        # A failure is reported as a removal's is (wait_for_removals): the new checkpoint is in place.
+        self.deleter.now(final, lambda: discard_replaced(hidden, final))
 
     def wait_for_removals(self) -> list[tuple[str, Exception]]:
         """Block until queued deletions are done; returns the (path, error) of those that failed.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,8 @@ from .record import CommitRecord
 __all__ = ["CommitMethod", "RecordLastCommit", "RenameCommit", "clear_target", "commit_method_for"]
 
 Remove = Callable[[str], None]
+Replaced = Callable[[str, str], None]
+"""Deletes the checkpoint a save replaced by a swap: (where it lies now, the step folder it was)."""
 
 
 class CommitMethod(Protocol):
@@ -92,9 +95,10 @@ class RenameCommit:
 
     uploads = False
 
-    def __init__(self, storage: Storage, remove: Remove) -> None:
+    def __init__(self, storage: Storage, remove: Remove, replaced: Replaced | None = None) -> None:
         self.storage = storage
         self._remove = remove
+        self._replaced = replaced
 
     def work_folder(self, save_folder: str, step: int, token: str) -> str:
         path = self.storage.join(save_folder, scratch_name("tmp", step, token))
@@ -132,12 +136,12 @@ class RenameCommit:
         # Checked again: files may have been put there while the save ran (nothing is removed yet).
         _refuse_foreign_files(self.storage, final)
         old = self.storage.local_path(final)
-        if old is not None and os.path.isdir(old) and not os.path.islink(old):
+        if self._replaced is not None and old is not None and os.path.isdir(old) and not os.path.islink(old):
             # A checkpoint of this step is there: the two folders swap places in one step, so that
-            # the step never has no checkpoint (removing the old one first left a moment without
-            # any, and a kill then lost the step). The old one then lies under the work folder's
-            # hidden name, which no listing shows and the next run's clean-up deletes if this
-            # process dies before it does.
+            # the step never has no checkpoint (moving the old one to trash first left a moment
+            # without any: a kill then lost the step). The old one then lies under the work
+            # folder's hidden name, which no listing shows and the next run's clean-up deletes if
+            # this process dies before it does.
             try:
                 with translate_os_error(final):
                     swapped = _local.exchange_paths(work, old)
@@ -145,10 +149,39 @@ class RenameCommit:
                 swapped = False  # removed meanwhile (another process's retention): renamed into place below
             if swapped:
                 fsync_dir(os.path.dirname(old) or ".")
-                shutil.rmtree(work, ignore_errors=True)
+                # What was swapped out is checked once more: a file somebody put in the folder after
+                # the check above, or the record gone (another remover at work on it), and the
+                # folders swap back, the save failing as above with nothing lost.
+                foreign = unlisted_local_files(work)
+                if foreign is None or foreign:
+                    raise self._swap_back(work, old)
+                self._replaced(work, final)
                 return
         clear_target(self.storage, final, self._remove)
         self.storage.rename_dir(work, final)
+
+    def _swap_back(self, work: str, old: str) -> CheckpointSaveError:
+        """Put the swapped-out folder back at ``old``; the error to raise (the save then discards
+        ``work``, which holds the new checkpoint again). Where it cannot go back, it is moved to a
+        name no clean-up deletes, which the error gives."""
+        try:
+            back = _local.exchange_paths(work, old)
+        except OSError:
+            back = False
+        if back:
+            fsync_dir(os.path.dirname(old) or ".")
+            try:
+                _refuse_foreign_files(self.storage, old)
+            except CheckpointSaveError as exc:
+                return exc
+            return CheckpointSaveError(f"{old} changed while this save replaced it; it is back as it was: save again")
+        kept = os.path.join(os.path.dirname(old), f"replaced-{os.path.basename(old)}-{secrets.token_hex(4)}")
+        with contextlib.suppress(OSError):
+            os.rename(work, kept)
+        return CheckpointSaveError(
+            f"{old} changed while this save replaced it (its record went, or files ckptkeeper did not write "
+            f"appeared), and it could not be put back: what it held is at {kept}; move it back by hand"
+        )
 
     def finish(self, work: str) -> None:
         pass  # the rename consumed the work folder; a failed save's is removed by discard
@@ -236,10 +269,12 @@ def require_listed(
             )
 
 
-def commit_method_for(storage: Storage, remove: Remove, spool_dir: str | None, upload_threads: int) -> CommitMethod:
+def commit_method_for(
+    storage: Storage, remove: Remove, spool_dir: str | None, upload_threads: int, replaced: Replaced | None = None
+) -> CommitMethod:
     """The commit method ``storage`` supports: a rename where it has one, else record-last."""
     if storage.supports_rename:
-        return RenameCommit(storage, remove)
+        return RenameCommit(storage, remove, replaced)
     return RecordLastCommit(storage, remove, spool_dir, upload_threads)
 
 
@@ -256,6 +291,11 @@ def _refuse_foreign_files(storage: Storage, final: str) -> None:
     if local is None or os.path.islink(local) or not os.path.isdir(local):
         return
     foreign = unlisted_local_files(local)
+    if foreign is None:  # its record went since it was found ours: another remover is at work on it
+        raise CheckpointSaveError(
+            f"{local} was being removed by something else while this save was to replace it; save again once "
+            "nothing else removes checkpoints of this step"
+        )
     if foreign:
         more = f" (and {len(foreign) - 3} more)" if len(foreign) > 3 else ""
         raise CheckpointSaveError(

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -41,6 +42,7 @@ from ..storage.layout import (
     is_scratch_name,
     parse_step,
     scratch_name,
+    step_dir_name,
 )
 from ..storage.local import fsync_dir, open_regular
 from .metrics import emit
@@ -49,6 +51,7 @@ from .record import MAX_RECORD_BYTES, CommitRecord, loads_bounded, record_is_our
 __all__ = [
     "Deleter",
     "clean_save_folder",
+    "discard_replaced",
     "local_record_is_ours",
     "new_spool",
     "read_intents",
@@ -189,28 +192,10 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
             # Somebody put files of their own in the checkpoint (eval outputs, notes): the record
             # goes first (invisible at once), then exactly the listed files; theirs stay in step{N}.
             return _remove_listed_only(local, step, foreign, run_in_background)
-        trash = os.path.join(parent, scratch_name("trash", step, uuid.uuid4().hex[:8]))
         try:
-            os.rename(local, trash)  # one atomic step: from here no reader sees step{N}
+            _trash_local(local, local, parent, step, run_in_background)
         except FileNotFoundError:
             return False  # removed meanwhile by another process sharing this disk
-        fsync_dir(parent)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(trash, COMMIT_RECORD))
-
-        def delete_local() -> None:
-            t0 = time.perf_counter()
-            files, size = _count(trash)
-            failed = _rmtree_collecting(trash)
-            if failed:
-                raise StorageError(
-                    f"could not delete {len(failed)} file(s) of removed checkpoint {local} (now {trash}), e.g. "
-                    f"{failed[0]}; the checkpoint is already invisible, and the trash folder is deleted again "
-                    "when a run next opens the save folder"
-                )
-            emit("remove", path=local, step=step, files=files, bytes=size, seconds=time.perf_counter() - t0, retries=0)
-
-        (run_in_background or _now)(delete_local)
         return True
     doomed = _ours_on_object_store(storage, canon)
     if doomed is None:
@@ -243,6 +228,42 @@ def remove_checkpoint(path: str, run_in_background: Callable[[Callable[[], Any]]
 
     (run_in_background or _now)(delete_remote)
     return True
+
+
+def _trash_local(
+    folder: str, shown: str, parent: str, step: int, run_in_background: Callable[[Callable[[], Any]], Any] | None
+) -> None:
+    """Rename a local checkpoint ``folder`` (in ``parent``) to trash in one atomic step, unlink its
+    record, then delete it (in the background if given). ``shown``: the path errors and the
+    ``remove`` event name. FileNotFoundError when ``folder`` is gone already."""
+    trash = os.path.join(parent, scratch_name("trash", step, uuid.uuid4().hex[:8]))
+    os.rename(folder, trash)  # one atomic step: from here no reader sees it
+    fsync_dir(parent)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(trash, COMMIT_RECORD))
+
+    def delete_local() -> None:
+        t0 = time.perf_counter()
+        files, size = _count(trash)
+        failed = _rmtree_collecting(trash)
+        if failed:
+            raise StorageError(
+                f"could not delete {len(failed)} file(s) of removed checkpoint {shown} (now {trash}), e.g. "
+                f"{failed[0]}; the checkpoint is already invisible, and the trash folder is deleted again "
+                "when a run next opens the save folder"
+            )
+        emit("remove", path=shown, step=step, files=files, bytes=size, seconds=time.perf_counter() - t0, retries=0)
+
+    (run_in_background or _now)(delete_local)
+
+
+def discard_replaced(hidden: str, final: str) -> None:
+    """Delete the checkpoint of step ``final`` that a new checkpoint of that step replaced by
+    swapping folders with it (:class:`~ckptkeeper.engine.commit.RenameCommit`): it lies under the
+    new one's hidden work-folder name ``hidden`` now. Deleted as :func:`remove_checkpoint` deletes
+    one (trash first, a ``remove`` event naming ``final``); StorageError says what was left."""
+    _, canon, parent, step = step_path(final)
+    _trash_local(hidden, canon, parent, step, None)
 
 
 class Deleter:
@@ -279,6 +300,16 @@ class Deleter:
         """A ``run_in_background`` for :meth:`Checkpointer.remove` that queues on this deleter's thread
         (for callers that must go through ``remove(path, run_in_background)``, e.g. a subclass's)."""
         return lambda fn: self._submit(path, fn)
+
+    def now(self, path: str, fn: Callable[[], Any]) -> None:
+        """Run a deletion ``fn`` of ``path`` in this thread; a failure is logged and kept for
+        :meth:`wait`, as a background deletion's is (never raised: what is left is invisible)."""
+        try:
+            fn()
+        except Exception as exc:
+            log.error("deleting the files of removed checkpoint %s failed: %s", path, exc)
+            with self._lock:
+                self._failures.append((path, exc))
 
     def _submit(self, path: str, fn: Callable[[], Any]) -> None:
         def run() -> None:
@@ -508,6 +539,8 @@ def clean_save_folder(save_folder: str) -> list[str]:
             if _running(full):
                 continue
             if is_scratch_name(name) and os.path.isdir(full) and not os.path.islink(full):
+                if name.startswith(".tmp-") and _roll_forward(local, name):
+                    continue
                 shutil.rmtree(full, ignore_errors=True)
                 gone.append(full)
         return gone
@@ -523,6 +556,40 @@ def clean_save_folder(save_folder: str) -> list[str]:
         except (StorageError, CheckpointNotFoundError) as exc:
             log.warning("could not clean up %s: %s", full, exc)
     return gone
+
+
+def _roll_forward(save_folder: str, name: str) -> bool:
+    """Put a work folder ``name`` that holds a complete checkpoint in place of its missing step
+    folder; False (nothing done) otherwise.
+
+    A save writes its commit record into the work folder last, once every file is there, then
+    renames the folder into place. Killed between the two, and where a checkpoint of that step was
+    moved out first (a filesystem without an atomic swap of two folders, or a subclass's own
+    remove()), the step had no checkpoint: the complete one in the work folder is it. Only a
+    record that is ours, of that very step, listing files that are all there at their sizes.
+    """
+    step = int(name.split("-")[1].removeprefix("step"))
+    work = os.path.join(save_folder, name)
+    final = os.path.join(save_folder, step_dir_name(step))
+    if os.path.lexists(final) or not local_record_is_ours(work):
+        return False
+    try:
+        with os.fdopen(open_regular(os.path.join(work, COMMIT_RECORD)), "rb") as f:
+            record = CommitRecord.from_json(f.read(MAX_RECORD_BYTES + 1), work)
+        if record.step != step:
+            return False
+        for rel, entry in record.files.items():
+            if check_relpath(rel) is not None:
+                return False
+            info = os.lstat(os.path.join(work, rel))
+            if not stat.S_ISREG(info.st_mode) or info.st_size != entry.bytes:
+                return False
+        os.rename(work, final)  # onto nothing: a step folder made meanwhile makes this fail
+        fsync_dir(save_folder)
+    except (OSError, ValueError, CorruptCheckpointError, ConfigurationError):
+        return False
+    log.warning("completed the interrupted commit of %s (its save was stopped just before its rename)", final)
+    return True
 
 
 # ---------------------------------------------------------------------- spools
