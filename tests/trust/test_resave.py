@@ -227,3 +227,16 @@ def test_only_a_complete_work_folder_of_a_missing_step_is_put_in_place(tmp_path:
     assert gone == [".tmp-step5-0000000d", ".tmp-step6-0000000c", ".tmp-step8-0000000b"]
     assert sorted(os.listdir(tmp_path)) == ["step5", "step7", "step9"]
     assert _loaded(tmp_path / "step7") == state_digest(_model(7))
+
+
+def test_a_step_folder_that_is_a_link_is_named_as_a_link(tmp_path: Path) -> None:
+    # Found by an outside attack: a step5 linking to a real checkpoint was called "not a ckptkeeper
+    # checkpoint (no commit record)", which sent its owner looking for the wrong problem.
+    real = tmp_path / "elsewhere"
+    Checkpointer().save(str(real), 5, TrainingState(_model(0)))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "step5").symlink_to(real / "step5")
+    with pytest.raises(CheckpointSaveError, match=r"is a symbolic link.*remove the link"):
+        Checkpointer().save(str(run), 5, TrainingState(_model(1)))
+    assert (run / "step5").is_symlink() and _loaded(real / "step5") == state_digest(_model(0))

@@ -317,7 +317,12 @@ def clear_target(storage: Storage, final: str, remove: Remove, check_only: bool 
     if local is not None:
         if not os.path.lexists(local):
             return
-        if os.path.islink(local) or not local_record_is_ours(local):
+        if os.path.islink(local):
+            raise CheckpointSaveError(
+                f"{local} is a symbolic link (to {os.readlink(local)!r}); ckptkeeper does not save through a link, "
+                "nor replace one: remove the link, or save under another step"
+            )
+        if not local_record_is_ours(local):
             raise CheckpointSaveError(
                 f"{local} already exists and is not a ckptkeeper checkpoint (no commit record); ckptkeeper "
                 "does not overwrite what it did not write: move it out of the save folder"
