@@ -240,3 +240,27 @@ def test_a_step_folder_that_is_a_link_is_named_as_a_link(tmp_path: Path) -> None
     with pytest.raises(CheckpointSaveError, match=r"is a symbolic link.*remove the link"):
         Checkpointer().save(str(run), 5, TrainingState(_model(1)))
     assert (run / "step5").is_symlink() and _loaded(real / "step5") == state_digest(_model(0))
+
+
+def test_a_step_put_in_place_by_another_process_meanwhile_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by an outside attack: without a swap, two processes saving step 5 at once failed with
+    # a bare "[Errno 39] Directory not empty".
+    monkeypatch.setattr(local_mod, "exchange_paths", lambda a, b: False)
+    ck = Checkpointer()
+    ck.save(str(tmp_path), 5, TrainingState(_model(0)))
+    real = local_mod.LocalStorage.rename_dir
+
+    def other_process_first(self: local_mod.LocalStorage, src: str, dst: str) -> None:
+        monkeypatch.setattr(local_mod.LocalStorage, "rename_dir", real)
+        Checkpointer().save(str(tmp_path), 5, TrainingState(_model(2)))  # lands between removal and rename
+        real(self, src, dst)
+
+    monkeypatch.setattr(local_mod.LocalStorage, "rename_dir", other_process_first)
+    with pytest.raises(CheckpointSaveError, match="another save of the same step"):
+        ck.save(str(tmp_path), 5, TrainingState(_model(1)))
+    monkeypatch.undo()
+    assert _loaded(tmp_path / "step5") == state_digest(_model(2))
+    clean_save_folder(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["step5"]

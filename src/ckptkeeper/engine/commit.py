@@ -158,7 +158,17 @@ class RenameCommit:
                 self._replaced(work, final)
                 return
         clear_target(self.storage, final, self._remove)
-        self.storage.rename_dir(work, final)
+        try:
+            self.storage.rename_dir(work, final)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Found by an outside attack: two processes saving one step, without a swap.
+            raise CheckpointSaveError(
+                f"{final} appeared while this save was putting its checkpoint there (another save of the same step, "
+                "from another process?); this save's checkpoint was not published: save each step from one "
+                "process (CheckpointManager holds the save folder's lease for that)"
+            ) from exc
 
     def _swap_back(self, work: str, old: str) -> CheckpointSaveError:
         """Put the swapped-out folder back at ``old``; the error to raise (the save then discards
