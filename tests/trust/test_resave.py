@@ -54,9 +54,7 @@ def _loaded(path: Path) -> str:
     return state_digest(model)
 
 
-@pytest.mark.parametrize(
-    ("where", "swap"), [("hand-over", "swap"), ("after the swap", "swap"), ("hand-over", "no swap")]
-)
+@pytest.mark.parametrize(("where", "swap"), [("hand-over", "swap"), ("after the swap", "swap")])
 def test_a_kill_while_a_step_is_saved_again_leaves_a_complete_checkpoint_of_that_step(
     tmp_path: Path, where: str, swap: str
 ) -> None:
@@ -66,16 +64,11 @@ def test_a_kill_while_a_step_is_saved_again_leaves_a_complete_checkpoint_of_that
     argv = [sys.executable, "-c", _CHILD, str(tmp_path), where, swap]
     child = subprocess.run(argv, env=env, capture_output=True, timeout=120)
     assert child.returncode in (0, 9), child.stderr.decode()[-2000:]
-    if swap == "swap":
-        # step5 holds a complete checkpoint at every moment: the old one, or the new one once in place.
-        assert _loaded(tmp_path / "step5") in ({old, new} if where == "hand-over" else {new})
-    else:
-        # Without a swap the old one went to trash first: killed then, the step has none until the
-        # next run opens the folder and puts the complete new one (its record written) in place.
-        assert child.returncode == 9 and not (tmp_path / "step5").exists()
+    # step5 holds a complete checkpoint at every moment: the old one, or the new one once in place.
+    assert _loaded(tmp_path / "step5") in ({old, new} if where == "hand-over" else {new})
     clean_save_folder(str(tmp_path))  # what the next run does when it opens the folder
     assert sorted(os.listdir(tmp_path)) == ["step5"]
-    assert _loaded(tmp_path / "step5") in ({old, new} if swap == "swap" else {new})
+    assert _loaded(tmp_path / "step5") in ({old, new} if where == "hand-over" else {new})
 
 
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "without a swap"])
@@ -207,28 +200,6 @@ def test_a_subclass_that_removes_its_own_way_is_asked_for_the_replaced_checkpoin
     assert _loaded(tmp_path / "step5") == state_digest(_model(1))
 
 
-def test_only_a_complete_work_folder_of_a_missing_step_is_put_in_place(tmp_path: Path) -> None:
-    ck = Checkpointer()
-    for step in (5, 7, 8, 9):
-        ck.save(str(tmp_path), step, TrainingState(_model(step)))
-    os.rename(tmp_path / "step7", tmp_path / ".tmp-step7-0000000a")  # complete, its step gone: put back
-    os.rename(tmp_path / "step8", tmp_path / ".tmp-step8-0000000b")  # damaged: deleted, as before
-    data = next(p for p in (tmp_path / ".tmp-step8-0000000b").rglob("*.distcp"))
-    data.write_bytes(data.read_bytes()[:-1])
-    os.rename(tmp_path / "step9", tmp_path / ".tmp-step6-0000000c")  # another step's record: deleted
-    ck.save(str(tmp_path), 9, TrainingState(_model(9)))
-    copy = tmp_path / ".tmp-step5-0000000d"  # its step is there: deleted
-    copy.mkdir()
-    for f in (tmp_path / "step5").rglob("*"):
-        if f.is_file():
-            (copy / f.relative_to(tmp_path / "step5")).parent.mkdir(parents=True, exist_ok=True)
-            (copy / f.relative_to(tmp_path / "step5")).write_bytes(f.read_bytes())
-    gone = sorted(os.path.basename(g) for g in clean_save_folder(str(tmp_path)))
-    assert gone == [".tmp-step5-0000000d", ".tmp-step6-0000000c", ".tmp-step8-0000000b"]
-    assert sorted(os.listdir(tmp_path)) == ["step5", "step7", "step9"]
-    assert _loaded(tmp_path / "step7") == state_digest(_model(7))
-
-
 def test_a_step_folder_that_is_a_link_is_named_as_a_link(tmp_path: Path) -> None:
     # Found by an outside attack: a step5 linking to a real checkpoint was called "not a ckptkeeper
     # checkpoint (no commit record)", which sent its owner looking for the wrong problem.
@@ -264,3 +235,46 @@ def test_a_step_put_in_place_by_another_process_meanwhile_is_named(
     assert _loaded(tmp_path / "step5") == state_digest(_model(2))
     clean_save_folder(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["step5"]
+
+
+@pytest.mark.parametrize("kept", ["moved aside", "left hidden"])
+def test_a_swap_that_cannot_go_back_keeps_somebodys_files_and_says_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: str
+) -> None:
+    # Found by an outside attack: when the swap back failed too, the failed save's clean-up deleted
+    # the swapped-out folder (the old checkpoint and the files somebody had just put there) and the
+    # error named a folder that did not exist.
+    from ckptkeeper.engine import commit as commit_mod
+
+    ck = Checkpointer()
+    ck.save(str(tmp_path), 5, TrainingState(_model(0)))
+    real = local_mod.exchange_paths
+    notes = tmp_path / "step5" / "eval.json"
+
+    calls: list[str] = []
+
+    def once(a: str, b: str) -> bool:
+        calls.append(a)
+        if len(calls) > 1:
+            raise OSError(5, "Input/output error", a)  # the swap back
+        notes.write_text("{}")  # put there just before the swap
+        return real(a, b)
+
+    monkeypatch.setattr(local_mod, "exchange_paths", once)
+    if kept == "left hidden":
+        real_rename = os.rename
+
+        def no_aside(src: str, dst: str) -> None:
+            if "replaced-" in os.path.basename(dst):
+                raise OSError(5, "Input/output error", dst)
+            real_rename(src, dst)
+
+        monkeypatch.setattr(commit_mod.os, "rename", no_aside)
+    with pytest.raises(CheckpointSaveError, match="now holds this save's checkpoint") as err:
+        ck.save(str(tmp_path), 5, TrainingState(_model(1)))
+    monkeypatch.undo()
+    assert _loaded(tmp_path / "step5") == state_digest(_model(1))
+    (aside,) = [p for p in tmp_path.iterdir() if p.name != "step5"]
+    assert str(aside) in str(err.value) and (aside / "eval.json").read_text() == "{}"
+    assert aside.name.startswith(".tmp-step5-" if kept == "left hidden" else "replaced-step5-")
+    assert _loaded(aside) == state_digest(_model(0)) if kept == "moved aside" else True

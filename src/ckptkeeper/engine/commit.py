@@ -99,6 +99,7 @@ class RenameCommit:
         self.storage = storage
         self._remove = remove
         self._replaced = replaced
+        self._keep: set[str] = set()
 
     def work_folder(self, save_folder: str, step: int, token: str) -> str:
         path = self.storage.join(save_folder, scratch_name("tmp", step, token))
@@ -172,8 +173,9 @@ class RenameCommit:
 
     def _swap_back(self, work: str, old: str) -> CheckpointSaveError:
         """Put the swapped-out folder back at ``old``; the error to raise (the save then discards
-        ``work``, which holds the new checkpoint again). Where it cannot go back, it is moved to a
-        name no clean-up deletes, which the error gives."""
+        ``work``, which holds the new checkpoint again). Where it cannot go back, the new
+        checkpoint stays published, the swapped-out folder is kept (never discarded: it holds
+        somebody's files), and the error says where each is."""
         try:
             back = _local.exchange_paths(work, old)
         except OSError:
@@ -186,17 +188,26 @@ class RenameCommit:
                 return exc
             return CheckpointSaveError(f"{old} changed while this save replaced it; it is back as it was: save again")
         kept = os.path.join(os.path.dirname(old), f"replaced-{os.path.basename(old)}-{secrets.token_hex(4)}")
-        with contextlib.suppress(OSError):
-            os.rename(work, kept)
+        try:
+            os.rename(work, kept)  # a name no clean-up deletes
+        except OSError:
+            self._keep.add(work)  # not discarded by the failed save
+            kept = work
+            where = f"{work} (hidden: the next run that opens the folder deletes it, so move them out now)"
+        else:
+            where = kept
         return CheckpointSaveError(
             f"{old} changed while this save replaced it (its record went, or files ckptkeeper did not write "
-            f"appeared), and it could not be put back: what it held is at {kept}; move it back by hand"
+            f"appeared) and could not be put back: {old} now holds this save's checkpoint, and what was there "
+            f"(the old checkpoint and those files) is at {where}; move the files back by hand"
         )
 
     def finish(self, work: str) -> None:
         pass  # the rename consumed the work folder; a failed save's is removed by discard
 
     def discard(self, work: str, final: str | None) -> None:
+        if work in self._keep:
+            return  # it holds what a failed swap back could not put back (see _swap_back)
         with contextlib.suppress(Exception):
             shutil.rmtree(work, ignore_errors=True)
 

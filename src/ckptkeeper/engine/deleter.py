@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import sys
 import tempfile
 import threading
@@ -42,7 +41,6 @@ from ..storage.layout import (
     is_scratch_name,
     parse_step,
     scratch_name,
-    step_dir_name,
 )
 from ..storage.local import fsync_dir, open_regular
 from .metrics import emit
@@ -539,8 +537,6 @@ def clean_save_folder(save_folder: str) -> list[str]:
             if _running(full):
                 continue
             if is_scratch_name(name) and os.path.isdir(full) and not os.path.islink(full):
-                if name.startswith(".tmp-") and _roll_forward(local, name):
-                    continue
                 shutil.rmtree(full, ignore_errors=True)
                 gone.append(full)
         return gone
@@ -556,40 +552,6 @@ def clean_save_folder(save_folder: str) -> list[str]:
         except (StorageError, CheckpointNotFoundError) as exc:
             log.warning("could not clean up %s: %s", full, exc)
     return gone
-
-
-def _roll_forward(save_folder: str, name: str) -> bool:
-    """Put a work folder ``name`` that holds a complete checkpoint in place of its missing step
-    folder; False (nothing done) otherwise.
-
-    A save writes its commit record into the work folder last, once every file is there, then
-    renames the folder into place. Killed between the two, and where a checkpoint of that step was
-    moved out first (a filesystem without an atomic swap of two folders, or a subclass's own
-    remove()), the step had no checkpoint: the complete one in the work folder is it. Only a
-    record that is ours, of that very step, listing files that are all there at their sizes.
-    """
-    step = int(name.split("-")[1].removeprefix("step"))
-    work = os.path.join(save_folder, name)
-    final = os.path.join(save_folder, step_dir_name(step))
-    if os.path.lexists(final) or not local_record_is_ours(work):
-        return False
-    try:
-        with os.fdopen(open_regular(os.path.join(work, COMMIT_RECORD)), "rb") as f:
-            record = CommitRecord.from_json(f.read(MAX_RECORD_BYTES + 1), work)
-        if record.step != step:
-            return False
-        for rel, entry in record.files.items():
-            if check_relpath(rel) is not None:
-                return False
-            info = os.lstat(os.path.join(work, rel))
-            if not stat.S_ISREG(info.st_mode) or info.st_size != entry.bytes:
-                return False
-        os.rename(work, final)  # onto nothing: a step folder made meanwhile makes this fail
-        fsync_dir(save_folder)
-    except (OSError, ValueError, CorruptCheckpointError, ConfigurationError):
-        return False
-    log.warning("completed the interrupted commit of %s (its save was stopped just before its rename)", final)
-    return True
 
 
 # ---------------------------------------------------------------------- spools
