@@ -436,8 +436,11 @@ def _skeleton(t: torch.Tensor) -> tuple[bytes, bytes, str, str]:
         try:
             with torch.serialization.skip_data():
                 # torch.empty is not touched (no memory used), and under skip_data the storage's
-                # bytes are sought over in the sparse file, never written.
-                torch.save(torch.empty(t.shape, dtype=t.dtype), cast(IO[bytes], buf))
+                # bytes are sought over in the sparse file, never written. On the CPU whatever the
+                # default device: the blob names its device, and every piece is written (as DCP
+                # writes them) and read as a CPU tensor's (under torch.set_default_device("meta")
+                # saves failed, and a "cuda" default would have written blobs naming a GPU).
+                torch.save(torch.empty(t.shape, dtype=t.dtype, device="cpu"), cast(IO[bytes], buf))
         finally:
             torch.serialization.set_crc32_options(True)
     buf.seek(0)

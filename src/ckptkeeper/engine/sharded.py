@@ -385,7 +385,8 @@ def _local_pieces(leaves: Leaves, rank: int, world: int) -> tuple[list[Piece], s
             if numel == 0 and total != 0:
                 continue  # an empty shard (more ranks than rows): the other ranks hold every element
             if total == 0:
-                local, offsets, writer = torch.empty(shape, dtype=local.dtype), (0,) * len(shape), rank == 0
+                local = torch.empty(shape, dtype=local.dtype, device="cpu")
+                offsets, writer = (0,) * len(shape), rank == 0
             else:
                 # Without a Replicate placement the writer depends on the spec alone (each rank
                 # writes its own shard): asked once per spec, not once per tensor.
@@ -1300,7 +1301,8 @@ def _check(where: str, read: _Read, kind: str, view: memoryview) -> None:
 
 
 def _copy_overlap(read: _Read, data: memoryview) -> None:
-    src = torch.frombuffer(data, dtype=read.dest.dtype) if len(data) else torch.empty(0, dtype=read.dest.dtype)
+    dtype = read.dest.dtype
+    src = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype, device="cpu")
     src = src.view(read.piece_sizes)
     dst = read.dest.detach()
     for dim, (low, high) in enumerate(zip(read.lo, read.hi, strict=True)):

@@ -47,7 +47,7 @@ def _sharded_local(t: Any) -> torch.Tensor:
     if len(shards) == 1:
         return cast(torch.Tensor, shards[0].tensor)
     if not shards:
-        return torch.empty(0, dtype=t.metadata().tensor_properties.dtype)
+        return torch.empty(0, dtype=t.metadata().tensor_properties.dtype, device="cpu")
     raise ConfigurationError(
         f"a ShardedTensor holds {len(shards)} local shards on this rank; ckptkeeper backs up and stages one "
         "per rank (as FSDP1's sharded state dicts have): save it with torch.distributed.checkpoint instead"

@@ -1134,7 +1134,7 @@ class TrainingState:
                     elif cur is not None and _shape(cur) == info.shape and unloadable(here) is None:
                         t = torch.empty_like(cur, dtype=info.dtype)
                     else:
-                        t = torch.empty(info.shape, dtype=info.dtype or torch.float32)
+                        t = torch.empty(info.shape, dtype=info.dtype or torch.float32, device="cpu")
                     _put(sub, path, t)
                     flat.append((key, t, None))
                 tensors["extra"][name], meta["extra"][name] = sub, node
@@ -1258,11 +1258,11 @@ class TrainingState:
                 # tensor that load_state_dict moves where it belongs. The twin (see FlatLeaf) only
                 # where the checkpoint gives the dtype (a reader refuses a slot of none).
                 if not (shape and info.shape == shape):
-                    t = torch.empty(info.shape, dtype=dtype or torch.float32)
-                    # On the CPU unless a default device or a device context says otherwise, and
-                    # plain unless the dtype is a quantized one (torch.empty then makes a quantized
-                    # tensor, whose scale raw bytes do not carry; found by an outside attack): a
-                    # reader looks at those (and leaves them to DCP's reader).
+                    # On the CPU whatever the default device (as torch.load gives it; the optimizer's
+                    # load moves a slot where its parameter is), and plain unless the dtype is a
+                    # quantized one (torch.empty then makes a quantized tensor, whose scale raw
+                    # bytes do not carry; found by an outside attack): a reader looks at those.
+                    t = torch.empty(info.shape, dtype=dtype or torch.float32, device="cpu")
                     twin = MADE_PLAIN if dtype is not None and t.is_cpu and not t.is_quantized else None
                 elif like is not None and like[2] == dtype:
                     # What _empty_like makes, without its checks: empty_like keeps the shard's strides.
