@@ -181,7 +181,7 @@ def template_for(doc: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
         shape = m["shape"]
         if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
             raise ValueError(f"bad tensor shape {shape!r}")
-        tree[group][key] = torch.empty(shape, dtype=_dtype(m["dtype"]))
+        tree[group][key] = torch.empty(shape, dtype=_dtype(m["dtype"]), device="cpu")  # as the CPU reader fills it
     return tree
 
 
