@@ -305,9 +305,13 @@ class Deleter:
         try:
             fn()
         except Exception as exc:
-            log.error("deleting the files of removed checkpoint %s failed: %s", path, exc)
-            with self._lock:
-                self._failures.append((path, exc))
+            self._failed(path, exc)
+
+    def _failed(self, path: str, exc: Exception) -> None:
+        # The error says what was left and what cleans it up (the checkpoint is invisible already).
+        log.error("deleting the files of removed checkpoint %s failed: %s", path, exc)
+        with self._lock:
+            self._failures.append((path, exc))
 
     def _submit(self, path: str, fn: Callable[[], Any]) -> None:
         def run() -> None:
@@ -315,10 +319,7 @@ class Deleter:
             try:
                 fn()
             except Exception as exc:
-                # The error says what was left and what cleans it up (the checkpoint is invisible already).
-                log.error("deleting the files of removed checkpoint %s failed: %s", path, exc)
-                with self._lock:
-                    self._failures.append((path, exc))
+                self._failed(path, exc)
             took = time.perf_counter() - t0
             if self.soft_timeout_s is not None and took > self.soft_timeout_s:
                 log.warning("deleting %s took %.0fs (soft timeout %.0fs)", path, took, self.soft_timeout_s)
