@@ -123,6 +123,13 @@ def test_sharded_async_round_trip_keeps_the_sharding(tmp_path: Path) -> None:
         assert o["value"]["placements"] == ["(Shard(dim=0),)"]
 
 
+def test_an_fsdp2_state_saves_and_loads_under_a_meta_default_device(tmp_path: Path) -> None:
+    # Found by an outside attack: torch's shard-box helper makes tensors on the default device and
+    # asks them for item(), so every FSDP2 save failed under torch.set_default_device("meta").
+    out = run_ranks(2, workers.sharded_round_trip_under_a_meta_default, str(tmp_path / "run"), out=tmp_path / "o")
+    assert [o["ok"] and o["value"] for o in out] == [True, True], out
+
+
 @pytest.mark.parametrize("over_budget", ["error", "sync"])
 def test_a_staging_budget_exceeded_on_one_rank_is_decided_together(tmp_path: Path, over_budget: str) -> None:
     out = run_ranks(2, workers.async_save_over_budget_on_one_rank, str(tmp_path / "run"), over_budget,

@@ -1002,3 +1002,21 @@ def state_fails_on_one_rank(rank: int, folder: str, how: str) -> dict[str, Any]:
         ckpt.close()
     steps = [s for s, _ in Checkpointer().find_checkpoints(folder)]
     return {"error": error, "steps": steps}
+
+
+def sharded_round_trip_under_a_meta_default(rank: int, folder: str) -> bool:
+    """An FSDP2 state saved and loaded with torch.set_default_device("meta") in force."""
+    model, opt = _sharded()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    want = state_digest(model, opt)
+    other, other_opt = _sharded(seed=1)
+    torch.set_default_device("meta")
+    try:
+        ckpt = Checkpointer()
+        ckpt.save(folder, 1, TrainingState(model, opt))
+        ckpt.load(f"{folder}/step1", TrainingState(other, other_opt))
+        ckpt.close()
+    finally:
+        torch.set_default_device("cpu")
+    return state_digest(other, other_opt) == want

@@ -278,3 +278,32 @@ def test_a_swap_that_cannot_go_back_keeps_somebodys_files_and_says_where(
     assert str(aside) in str(err.value) and (aside / "eval.json").read_text() == "{}"
     assert aside.name.startswith(".tmp-step5-" if kept == "left hidden" else "replaced-step5-")
     assert _loaded(aside) == state_digest(_model(0)) if kept == "moved aside" else True
+
+
+def test_files_written_into_both_folders_around_the_swap_are_all_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by an outside attack: one file landed in step5 just before the swap (so in the old
+    # folder) and one just after (in the new one); the swap back took the new folder, with the
+    # second file, into the work folder the failed save then deleted.
+    ck = Checkpointer()
+    ck.save(str(tmp_path), 5, TrainingState(_model(0)))
+    real = local_mod.exchange_paths
+
+    def eval_job(a: str, b: str) -> bool:
+        if not (tmp_path / "step5" / "eval_b.json").exists() and not list(tmp_path.glob("*/eval_a.json")):
+            (tmp_path / "step5" / "eval_a.json").write_text("a")
+            done = real(a, b)
+            (tmp_path / "step5" / "eval_b.json").write_text("b")
+            return done
+        return real(a, b)
+
+    monkeypatch.setattr(local_mod, "exchange_paths", eval_job)
+    with pytest.raises(CheckpointSaveError, match="now holds this save's checkpoint"):
+        ck.save(str(tmp_path), 5, TrainingState(_model(1)))
+    monkeypatch.undo()
+    assert (tmp_path / "step5" / "eval_b.json").read_text() == "b"
+    (aside,) = tmp_path.glob("replaced-step5-*")
+    assert (aside / "eval_a.json").read_text() == "a"
+    assert _loaded(tmp_path / "step5") == state_digest(_model(1))
+    assert _loaded(aside) == state_digest(_model(0))

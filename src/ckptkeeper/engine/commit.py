@@ -176,10 +176,15 @@ class RenameCommit:
         ``work``, which holds the new checkpoint again). Where it cannot go back, the new
         checkpoint stays published, the swapped-out folder is kept (never discarded: it holds
         somebody's files), and the error says where each is."""
-        try:
-            back = _local.exchange_paths(work, old)
-        except OSError:
-            back = False
+        # Not where the new checkpoint, now at ``old``, holds files of somebody's too (written there
+        # since the swap): swapped back, they would go with it into the work folder the failed save
+        # discards (found by an outside attack). Both stay then, each where it is.
+        back = False
+        if unlisted_local_files(old) == []:
+            try:
+                back = _local.exchange_paths(work, old)
+            except OSError:
+                back = False
         if back:
             fsync_dir(os.path.dirname(old) or ".")
             try:

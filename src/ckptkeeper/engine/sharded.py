@@ -256,7 +256,10 @@ def _box(value: DTensor, world: int) -> tuple[tuple[int, ...], tuple[int, ...], 
 
     if not _plain_placements(value.placements) or value.device_mesh.size() != world:
         return _NO_BOX
-    shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    # On the CPU whatever the default device: torch's helper makes tensors there and asks them for
+    # item() (under a "meta" default, every FSDP2 save failed; found by an outside attack).
+    with torch.device("cpu"):
+        shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     return tuple(int(n) for n in shape), tuple(int(o) for o in offsets), tuple(int(n) for n in value.shape)
 
 
