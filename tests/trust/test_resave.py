@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,13 @@ Checkpointer().save(folder, 5, TrainingState(torch.nn.Linear(3, 3)))
 def _model(seed: int) -> torch.nn.Linear:
     torch.manual_seed(seed)
     return torch.nn.Linear(3, 3)
+
+
+def _saved_once(folder: Path) -> tuple[Checkpointer, Callable[[str, str], bool]]:
+    """A checkpointer that saved step 5 of _model(0) in ``folder``, and the real folder swap."""
+    ck = Checkpointer()
+    ck.save(str(folder), 5, TrainingState(_model(0)))
+    return ck, local_mod.exchange_paths
 
 
 def _loaded(path: Path) -> str:
@@ -135,9 +143,7 @@ def test_a_step_folder_changed_just_before_the_swap_is_put_back(
     # Found by an outside attack: a file put in the folder (or its record removed by another
     # process's retention) between the last check and the swap went out with the old checkpoint
     # and was deleted with it.
-    ck = Checkpointer()
-    ck.save(str(tmp_path), 5, TrainingState(_model(0)))
-    real = local_mod.exchange_paths
+    ck, real = _saved_once(tmp_path)
     notes = tmp_path / "step5" / "eval.json"
 
     def late(a: str, b: str) -> bool:
@@ -246,9 +252,7 @@ def test_a_swap_that_cannot_go_back_keeps_somebodys_files_and_says_where(
     # error named a folder that did not exist.
     from ckptkeeper.engine import commit as commit_mod
 
-    ck = Checkpointer()
-    ck.save(str(tmp_path), 5, TrainingState(_model(0)))
-    real = local_mod.exchange_paths
+    ck, real = _saved_once(tmp_path)
     notes = tmp_path / "step5" / "eval.json"
 
     calls: list[str] = []
@@ -286,9 +290,7 @@ def test_files_written_into_both_folders_around_the_swap_are_all_kept(
     # Found by an outside attack: one file landed in step5 just before the swap (so in the old
     # folder) and one just after (in the new one); the swap back took the new folder, with the
     # second file, into the work folder the failed save then deleted.
-    ck = Checkpointer()
-    ck.save(str(tmp_path), 5, TrainingState(_model(0)))
-    real = local_mod.exchange_paths
+    ck, real = _saved_once(tmp_path)
 
     def eval_job(a: str, b: str) -> bool:
         if not (tmp_path / "step5" / "eval_b.json").exists() and not list(tmp_path.glob("*/eval_a.json")):
