@@ -146,8 +146,11 @@ def test_a_step_folder_changed_just_before_the_swap_is_put_back(
     ck, real = _saved_once(tmp_path)
     notes = tmp_path / "step5" / "eval.json"
 
+    calls: list[str] = []
+
     def late(a: str, b: str) -> bool:
-        if not notes.exists():
+        calls.append(a)
+        if len(calls) == 1:  # the swap, not the swap back
             notes.write_text("{}")
             if change == "its record goes":
                 (tmp_path / "step5" / ".metadata.json").unlink()
@@ -274,7 +277,7 @@ def test_a_swap_that_cannot_go_back_keeps_somebodys_files_and_says_where(
             real_rename(src, dst)
 
         monkeypatch.setattr(commit_mod.os, "rename", no_aside)
-    with pytest.raises(CheckpointSaveError, match="now holds this save's checkpoint") as err:
+    with pytest.raises(CheckpointSaveError, match="now holds what this save wrote") as err:
         ck.save(str(tmp_path), 5, TrainingState(_model(1)))
     monkeypatch.undo()
     assert _loaded(tmp_path / "step5") == state_digest(_model(1))
@@ -301,11 +304,41 @@ def test_files_written_into_both_folders_around_the_swap_are_all_kept(
         return real(a, b)
 
     monkeypatch.setattr(local_mod, "exchange_paths", eval_job)
-    with pytest.raises(CheckpointSaveError, match="now holds this save's checkpoint"):
+    with pytest.raises(CheckpointSaveError, match=r"eval_a\.json.*changed meanwhile too \(eval_b\.json\)") as err:
         ck.save(str(tmp_path), 5, TrainingState(_model(1)))
     monkeypatch.undo()
-    assert (tmp_path / "step5" / "eval_b.json").read_text() == "b"
-    (aside,) = tmp_path.glob("replaced-step5-*")
-    assert (aside / "eval_a.json").read_text() == "a"
-    assert _loaded(tmp_path / "step5") == state_digest(_model(1))
-    assert _loaded(aside) == state_digest(_model(0))
+    # The old checkpoint is back in step5 with the file written into it; the new one is set aside
+    # with the file written into it after the swap, under a name no clean-up deletes.
+    assert (tmp_path / "step5" / "eval_a.json").read_text() == "a"
+    assert _loaded(tmp_path / "step5") == state_digest(_model(0))
+    (aside,) = tmp_path.glob("unpublished-step5-*")
+    assert str(aside) in str(err.value) and (aside / "eval_b.json").read_text() == "b"
+    assert _loaded(aside) == state_digest(_model(1))
+    clean_save_folder(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step5", aside.name]
+
+
+def test_a_new_folder_whose_record_went_after_the_swap_does_not_cost_the_step_its_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by an outside attack: after the swap, a file landed in the old folder and the new
+    # folder's record was removed; the folders were not swapped back, so step5 had no complete
+    # checkpoint, and the error said it held the new one.
+    ck, real = _saved_once(tmp_path)
+    calls: list[str] = []
+
+    def meddle(a: str, b: str) -> bool:
+        calls.append(a)
+        done = real(a, b)
+        if len(calls) == 1:
+            (Path(a) / "late.txt").write_text("late")  # the old folder, under the work name now
+            (tmp_path / "step5" / ".metadata.json").unlink()  # the new one's record
+        return done
+
+    monkeypatch.setattr(local_mod, "exchange_paths", meddle)
+    with pytest.raises(CheckpointSaveError, match=r"late\.txt.*its record is gone"):
+        ck.save(str(tmp_path), 5, TrainingState(_model(1)))
+    monkeypatch.undo()
+    assert (tmp_path / "step5" / "late.txt").read_text() == "late"
+    assert _loaded(tmp_path / "step5") == state_digest(_model(0))
+    assert len(list(tmp_path.glob("unpublished-step5-*"))) == 1

@@ -172,47 +172,58 @@ class RenameCommit:
             ) from exc
 
     def _swap_back(self, work: str, old: str) -> CheckpointSaveError:
-        """Put the swapped-out folder back at ``old``; the error to raise (the save then discards
-        ``work``, which holds the new checkpoint again). Where it cannot go back, the new
-        checkpoint stays published, the swapped-out folder is kept (never discarded: it holds
-        somebody's files), and the error says where each is."""
-        # Not where the new checkpoint, now at ``old``, holds files of somebody's too (written there
-        # since the swap): swapped back, they would go with it into the work folder the failed save
-        # discards (found by an outside attack). Both stay then, each where it is.
-        back = False
-        if unlisted_local_files(old) == []:
-            try:
-                back = _local.exchange_paths(work, old)
-            except OSError:
-                back = False
+        """Put the swapped-out folder back at ``old``; the error to raise. The save then discards
+        ``work`` (the new checkpoint again) unless something other than this save's own files is
+        in it. Where the folders cannot swap back, neither is discarded, and the error says where
+        each is."""
+        try:
+            back = _local.exchange_paths(work, old)
+        except OSError:
+            back = False
         if back:
             fsync_dir(os.path.dirname(old) or ".")
+            # The new checkpoint's folder is checked once it is back under the work folder's name
+            # (from then on, whatever is written to the step folder lands in the old one): a file
+            # written into it since the swap, or its record gone, and it is kept, not discarded
+            # (found by outside attacks: the swap back took such files into the discarded folder).
+            taken = unlisted_local_files(work)
+            kept = "" if taken == [] else self._set_aside(work, old, "unpublished")
             try:
                 _refuse_foreign_files(self.storage, old)
+                error = CheckpointSaveError(f"{old} changed while this save replaced it; it is back as it was")
             except CheckpointSaveError as exc:
-                return exc
-            return CheckpointSaveError(f"{old} changed while this save replaced it; it is back as it was: save again")
-        kept = os.path.join(os.path.dirname(old), f"replaced-{os.path.basename(old)}-{secrets.token_hex(4)}")
-        try:
-            os.rename(work, kept)  # a name no clean-up deletes
-        except OSError:
-            self._keep.add(work)  # not discarded by the failed save
-            kept = work
-            where = f"{work} (hidden: the next run that opens the folder deletes it, so move them out now)"
-        else:
-            where = kept
+                error = exc
+            if kept:
+                what = ", ".join(sorted(taken))[:200] if taken else "its record is gone"
+                error = CheckpointSaveError(
+                    f"{error}; this save's own folder was changed meanwhile too ({what}): it is kept at {kept}, "
+                    "move those files back by hand"
+                )
+            return error
+        where = self._set_aside(work, old, "replaced")
         return CheckpointSaveError(
             f"{old} changed while this save replaced it (its record went, or files ckptkeeper did not write "
-            f"appeared) and could not be put back: {old} now holds this save's checkpoint, and what was there "
+            f"appeared) and could not be put back: {old} now holds what this save wrote, and what was there "
             f"(the old checkpoint and those files) is at {where}; move the files back by hand"
         )
+
+    def _set_aside(self, work: str, old: str, kind: str) -> str:
+        """Move ``work`` to ``{kind}-step{N}-<hex>`` beside ``old`` (a name no clean-up deletes), or
+        keep it where it is (never discarded); where it is now, for the error."""
+        aside = os.path.join(os.path.dirname(old), f"{kind}-{os.path.basename(old)}-{secrets.token_hex(4)}")
+        try:
+            os.rename(work, aside)
+        except OSError:
+            self._keep.add(work)  # not discarded by the failed save
+            return f"{work} (hidden: the next run that opens the folder deletes it, so move them out now)"
+        return aside
 
     def finish(self, work: str) -> None:
         pass  # the rename consumed the work folder; a failed save's is removed by discard
 
     def discard(self, work: str, final: str | None) -> None:
         if work in self._keep:
-            return  # it holds what a failed swap back could not put back (see _swap_back)
+            return  # it holds somebody's files (see _swap_back)
         with contextlib.suppress(Exception):
             shutil.rmtree(work, ignore_errors=True)
 
