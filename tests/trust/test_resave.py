@@ -342,3 +342,32 @@ def test_a_new_folder_whose_record_went_after_the_swap_does_not_cost_the_step_it
     assert (tmp_path / "step5" / "late.txt").read_text() == "late"
     assert _loaded(tmp_path / "step5") == state_digest(_model(0))
     assert len(list(tmp_path.glob("unpublished-step5-*"))) == 1
+
+
+def test_an_old_checkpoint_goes_back_alone_when_the_new_one_was_removed_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by an outside attack: a file landed in the old folder, then something removed the new
+    # step5; the swap back failed (nothing to swap with), the old checkpoint went to replaced-*,
+    # step5 stayed missing, and the error said step5 held this save's checkpoint.
+    import shutil
+
+    ck, real = _saved_once(tmp_path)
+    calls: list[str] = []
+
+    def meddle(a: str, b: str) -> bool:
+        calls.append(a)
+        if len(calls) == 1:
+            (tmp_path / "step5" / "eval.json").write_text("{}")
+            done = real(a, b)
+            shutil.rmtree(tmp_path / "step5")  # the new one, removed by something else
+            return done
+        return real(a, b)
+
+    monkeypatch.setattr(local_mod, "exchange_paths", meddle)
+    with pytest.raises(CheckpointSaveError, match=r"eval\.json"):
+        ck.save(str(tmp_path), 5, TrainingState(_model(1)))
+    monkeypatch.undo()
+    assert (tmp_path / "step5" / "eval.json").read_text() == "{}"
+    assert _loaded(tmp_path / "step5") == state_digest(_model(0))
+    assert sorted(os.listdir(tmp_path)) == ["step5"]

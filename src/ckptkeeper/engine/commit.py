@@ -178,6 +178,20 @@ class RenameCommit:
         each is."""
         try:
             back = _local.exchange_paths(work, old)
+        except FileNotFoundError:
+            # The step folder (the new checkpoint) went meanwhile, removed by something else: the
+            # old checkpoint goes back alone, onto nothing (found by an outside attack).
+            try:
+                os.rename(work, old)
+                fsync_dir(os.path.dirname(old) or ".")
+            except OSError:
+                back = False
+            else:
+                try:
+                    _refuse_foreign_files(self.storage, old)
+                except CheckpointSaveError as exc:
+                    return exc
+                return CheckpointSaveError(f"{old} changed while this save replaced it; it is back as it was")
         except OSError:
             back = False
         if back:
@@ -201,10 +215,11 @@ class RenameCommit:
                 )
             return error
         where = self._set_aside(work, old, "replaced")
+        now = "now holds what this save wrote" if os.path.lexists(old) else "is gone (removed by something else)"
         return CheckpointSaveError(
             f"{old} changed while this save replaced it (its record went, or files ckptkeeper did not write "
-            f"appeared) and could not be put back: {old} now holds what this save wrote, and what was there "
-            f"(the old checkpoint and those files) is at {where}; move the files back by hand"
+            f"appeared) and could not be put back: {old} {now}, and what was there (the old checkpoint and "
+            f"those files) is at {where}; move the files back by hand"
         )
 
     def _set_aside(self, work: str, old: str, kind: str) -> str:
