@@ -56,6 +56,32 @@ def _saved_once(folder: Path) -> tuple[Checkpointer, Callable[[str, str], bool]]
     return ck, local_mod.exchange_paths
 
 
+def _around_swaps(
+    real: Callable[[str, str], bool],
+    before: Callable[[], object] | None = None,
+    after: Callable[[str], object] | None = None,
+    back: Callable[[], object] | None = None,
+) -> Callable[[str, str], bool]:
+    """An exchange_paths that runs ``before`` / ``after(work path)`` around the save's swap (its
+    first call) and ``back`` (which may raise) before any later call (the swap back)."""
+    calls: list[str] = []
+
+    def exchange(a: str, b: str) -> bool:
+        calls.append(a)
+        if len(calls) > 1:
+            if back is not None:
+                back()
+            return real(a, b)
+        if before is not None:
+            before()
+        done = real(a, b)
+        if after is not None:
+            after(a)
+        return done
+
+    return exchange
+
+
 def _loaded(path: Path) -> str:
     model = torch.nn.Linear(3, 3)
     Checkpointer().load(str(path), TrainingState(model))
@@ -146,17 +172,12 @@ def test_a_step_folder_changed_just_before_the_swap_is_put_back(
     ck, real = _saved_once(tmp_path)
     notes = tmp_path / "step5" / "eval.json"
 
-    calls: list[str] = []
+    def late() -> None:
+        notes.write_text("{}")
+        if change == "its record goes":
+            (tmp_path / "step5" / ".metadata.json").unlink()
 
-    def late(a: str, b: str) -> bool:
-        calls.append(a)
-        if len(calls) == 1:  # the swap, not the swap back
-            notes.write_text("{}")
-            if change == "its record goes":
-                (tmp_path / "step5" / ".metadata.json").unlink()
-        return real(a, b)
-
-    monkeypatch.setattr(local_mod, "exchange_paths", late)
+    monkeypatch.setattr(local_mod, "exchange_paths", _around_swaps(real, before=late))
     why = "eval.json" if change == "a file appears" else "removed by something"
     with pytest.raises(CheckpointSaveError, match=why):
         ck.save(str(tmp_path), 5, TrainingState(_model(1)))
@@ -258,16 +279,11 @@ def test_a_swap_that_cannot_go_back_keeps_somebodys_files_and_says_where(
     ck, real = _saved_once(tmp_path)
     notes = tmp_path / "step5" / "eval.json"
 
-    calls: list[str] = []
+    def refused() -> None:
+        raise OSError(5, "Input/output error", "the swap back")
 
-    def once(a: str, b: str) -> bool:
-        calls.append(a)
-        if len(calls) > 1:
-            raise OSError(5, "Input/output error", a)  # the swap back
-        notes.write_text("{}")  # put there just before the swap
-        return real(a, b)
-
-    monkeypatch.setattr(local_mod, "exchange_paths", once)
+    swaps = _around_swaps(real, before=lambda: notes.write_text("{}"), back=refused)
+    monkeypatch.setattr(local_mod, "exchange_paths", swaps)
     if kept == "left hidden":
         real_rename = os.rename
 
@@ -295,14 +311,11 @@ def test_files_written_into_both_folders_around_the_swap_are_all_kept(
     # second file, into the work folder the failed save then deleted.
     ck, real = _saved_once(tmp_path)
 
-    def eval_job(a: str, b: str) -> bool:
-        if not (tmp_path / "step5" / "eval_b.json").exists() and not list(tmp_path.glob("*/eval_a.json")):
-            (tmp_path / "step5" / "eval_a.json").write_text("a")
-            done = real(a, b)
-            (tmp_path / "step5" / "eval_b.json").write_text("b")
-            return done
-        return real(a, b)
-
+    eval_job = _around_swaps(
+        real,
+        before=lambda: (tmp_path / "step5" / "eval_a.json").write_text("a"),
+        after=lambda _: (tmp_path / "step5" / "eval_b.json").write_text("b"),
+    )
     monkeypatch.setattr(local_mod, "exchange_paths", eval_job)
     with pytest.raises(CheckpointSaveError, match=r"eval_a\.json.*changed meanwhile too \(eval_b\.json\)") as err:
         ck.save(str(tmp_path), 5, TrainingState(_model(1)))
@@ -325,17 +338,12 @@ def test_a_new_folder_whose_record_went_after_the_swap_does_not_cost_the_step_it
     # folder's record was removed; the folders were not swapped back, so step5 had no complete
     # checkpoint, and the error said it held the new one.
     ck, real = _saved_once(tmp_path)
-    calls: list[str] = []
 
-    def meddle(a: str, b: str) -> bool:
-        calls.append(a)
-        done = real(a, b)
-        if len(calls) == 1:
-            (Path(a) / "late.txt").write_text("late")  # the old folder, under the work name now
-            (tmp_path / "step5" / ".metadata.json").unlink()  # the new one's record
-        return done
+    def meddle(work: str) -> None:
+        (Path(work) / "late.txt").write_text("late")  # the old folder, under the work name now
+        (tmp_path / "step5" / ".metadata.json").unlink()  # the new one's record
 
-    monkeypatch.setattr(local_mod, "exchange_paths", meddle)
+    monkeypatch.setattr(local_mod, "exchange_paths", _around_swaps(real, after=meddle))
     with pytest.raises(CheckpointSaveError, match=r"late\.txt.*its record is gone"):
         ck.save(str(tmp_path), 5, TrainingState(_model(1)))
     monkeypatch.undo()
@@ -353,18 +361,12 @@ def test_an_old_checkpoint_goes_back_alone_when_the_new_one_was_removed_meanwhil
     import shutil
 
     ck, real = _saved_once(tmp_path)
-    calls: list[str] = []
-
-    def meddle(a: str, b: str) -> bool:
-        calls.append(a)
-        if len(calls) == 1:
-            (tmp_path / "step5" / "eval.json").write_text("{}")
-            done = real(a, b)
-            shutil.rmtree(tmp_path / "step5")  # the new one, removed by something else
-            return done
-        return real(a, b)
-
-    monkeypatch.setattr(local_mod, "exchange_paths", meddle)
+    swaps = _around_swaps(
+        real,
+        before=lambda: (tmp_path / "step5" / "eval.json").write_text("{}"),
+        after=lambda _: shutil.rmtree(tmp_path / "step5"),  # the new one, removed by something else
+    )
+    monkeypatch.setattr(local_mod, "exchange_paths", swaps)
     with pytest.raises(CheckpointSaveError, match=r"eval\.json"):
         ck.save(str(tmp_path), 5, TrainingState(_model(1)))
     monkeypatch.undo()
