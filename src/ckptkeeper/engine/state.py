@@ -282,7 +282,7 @@ tensor's facts is a Python call, and the plan makes two of every three tensors o
   checkpoint's dtype, and the parameter's device, layout, strides and sharding spec, so it can be
   read however the parameter can;
 - :data:`MADE_PLAIN`: a new contiguous CPU tensor of the checkpoint's shape and dtype, neither
-  sparse nor quantized (only where ``torch.empty`` made such a tensor);
+  sparse nor quantized (``torch.empty`` on the CPU, for a dtype that is not a quantized one);
 - None: nothing is known (a live tensor, or one made otherwise): a reader looks at it.
 """
 
@@ -1263,7 +1263,7 @@ class TrainingState:
                     # quantized one (torch.empty then makes a quantized tensor, whose scale raw
                     # bytes do not carry; found by an outside attack): a reader looks at those.
                     t = torch.empty(info.shape, dtype=dtype or torch.float32, device="cpu")
-                    twin = MADE_PLAIN if dtype is not None and t.is_cpu and not t.is_quantized else None
+                    twin = MADE_PLAIN if dtype is not None and not t.is_quantized else None
                 elif like is not None and like[2] == dtype:
                     # What _empty_like makes, without its checks: empty_like keeps the shard's strides.
                     t = _dtensor(torch.empty_like(like[0]), like[1])
