@@ -107,6 +107,10 @@ class RenameCommit:
 
     def prepare(self, final: str) -> None:
         # The old checkpoint of this step (if any) stays until the new one is in place.
+        self._check_target(final)
+
+    def _check_target(self, final: str) -> None:
+        """Refuse ``final`` unless it is free or ckptkeeper's own checkpoint with nobody's files in it."""
         clear_target(self.storage, final, self._remove, check_only=True)
         _refuse_foreign_files(self.storage, final)
 
@@ -133,9 +137,8 @@ class RenameCommit:
             record, size_of, lambda rel: os.path.join(work, rel), "a file of this checkpoint", " from its work folder"
         )
         self.storage.write_bytes(os.path.join(work, COMMIT_RECORD), record.to_json())
-        clear_target(self.storage, final, self._remove, check_only=True)
         # Checked again: files may have been put there while the save ran (nothing is removed yet).
-        _refuse_foreign_files(self.storage, final)
+        self._check_target(final)
         old = self.storage.local_path(final)
         if self._replaced is not None and old is not None and os.path.isdir(old) and not os.path.islink(old):
             # A checkpoint of this step is there: the two folders swap places in one step, so that
@@ -187,11 +190,7 @@ class RenameCommit:
             except OSError:
                 back = False
             else:
-                try:
-                    _refuse_foreign_files(self.storage, old)
-                except CheckpointSaveError as exc:
-                    return exc
-                return CheckpointSaveError(f"{old} changed while this save replaced it; it is back as it was")
+                return _back_as_it_was(self.storage, old)
         except OSError:
             back = False
         if back:
@@ -202,11 +201,7 @@ class RenameCommit:
             # (found by outside attacks: the swap back took such files into the discarded folder).
             taken = unlisted_local_files(work)
             kept = "" if taken == [] else self._set_aside(work, old, "unpublished")
-            try:
-                _refuse_foreign_files(self.storage, old)
-                error = CheckpointSaveError(f"{old} changed while this save replaced it; it is back as it was")
-            except CheckpointSaveError as exc:
-                error = exc
+            error = _back_as_it_was(self.storage, old)
             if kept:
                 what = ", ".join(sorted(taken))[:200] if taken else "its record is gone"
                 error = CheckpointSaveError(
@@ -355,6 +350,16 @@ def _refuse_foreign_files(storage: Storage, final: str) -> None:
             "checkpoint of this step cannot take its place; move them out of the folder, or save under another "
             "step (the checkpoint there is unchanged)"
         )
+
+
+def _back_as_it_was(storage: Storage, old: str) -> CheckpointSaveError:
+    """The error of a save whose swapped-out folder went back to ``old``: what is wrong there now
+    (:func:`_refuse_foreign_files`'s words), else that it changed and is back."""
+    try:
+        _refuse_foreign_files(storage, old)
+    except CheckpointSaveError as exc:
+        return exc
+    return CheckpointSaveError(f"{old} changed while this save replaced it; it is back as it was")
 
 
 def clear_target(storage: Storage, final: str, remove: Remove, check_only: bool = False) -> None:
