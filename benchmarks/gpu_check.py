@@ -16,8 +16,9 @@ suite keeps this script working on machines without a GPU):
      tensor must still be on the device, and the state bit-identical to the saved one
      (``ckptkeeper.state_digest``).
    - a synchronous save from the device and a load of it, bit-identical too.
-3. ``ckptkeeper bench --device D --json`` (one process) and ``torchrun --nproc-per-node 1 -m ckptkeeper
-   bench --device D --tensors 200 --json`` (an FSDP2-sharded state, NCCL on CUDA), their reports embedded.
+3. ``ckptkeeper bench --device D --json`` (one process) and ``python -m torch.distributed.run
+   --nproc-per-node 1 -m ckptkeeper bench --device D --tensors 200 --json`` (an FSDP2-sharded state,
+   NCCL on CUDA), their reports embedded.
 
     python benchmarks/gpu_check.py [--device cuda] [--model-mib 512] [--repeats 3] [--out report.json]
 
@@ -249,12 +250,11 @@ def main(argv: list[str] | None = None) -> int:
             "the round trip", lambda: _round_trip(os.path.join(root, "ckpt"), args.model_mib, args.device, failures)
         )
         py = sys.executable
-        torchrun = str(Path(py).parent / "torchrun")
         common = ["--device", args.device, "--model-mib", str(args.model_mib), "--repeats", str(args.repeats)]
         one = [py, "-m", "ckptkeeper", "bench", *common, "--json"]
         report["bench"] = step("bench", lambda: _bench(one, root, failures, "bench"))
-        fsdp2 = [torchrun, "--standalone", "--nproc-per-node", "1", "-m", "ckptkeeper", "bench", *common]
-        fsdp2 += ["--tensors", "200", "--json"]
+        fsdp2 = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+        fsdp2 += ["-m", "ckptkeeper", "bench", *common, "--tensors", "200", "--json"]
         report["bench_fsdp2"] = step("bench (FSDP2)", lambda: _bench(fsdp2, root, failures, "bench (FSDP2, torchrun)"))
         floor, trip = report["floor"], report["round_trip"]
         if floor and trip and "load_s" in trip:
