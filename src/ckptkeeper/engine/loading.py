@@ -33,7 +33,16 @@ from .agreement import agree, load_error, unwrap
 from .deleter import new_spool
 from .fastio import DATA_FILE, TENSORS_KEY, can_use_fast_path, parse_layout, read_fast, saved_from_table
 from .flatload import FlatIndex, NotPlaced, flat_index, flat_segments, plan_flat, read_flat
-from .loader import CheckpointMismatchError, Rollback, check_unread, read_metadata, read_train_state, saved_tensors
+from .loader import (
+    CheckpointMismatchError,
+    HostCopies,
+    Rollback,
+    bounced,
+    check_unread,
+    read_metadata,
+    read_train_state,
+    saved_tensors,
+)
 from .metrics import emit
 from .record import CommitRecord, hash_file
 from .safe_metadata import SafeFileSystemReader, SafeLoadPlanner
@@ -55,7 +64,7 @@ from .sharded import (
     segments_read,
     shard_name,
 )
-from .state import SavedTensor, TrainingState
+from .state import LoadPlan, SavedTensor, TrainingState
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -181,6 +190,15 @@ def _load_verified(
     olmo = isinstance(record, discovery.OlmoCoreRecord)
     prep: dict[str, Any] = {}
 
+    def reading(plan: LoadPlan) -> LoadPlan:
+        # What the fast readers fill for ``plan``: host tensors in place of destinations they
+        # cannot read into (on a GPU, say), copied in once every byte is read and checked. DCP's
+        # reader, when it is taken instead, reads into ``plan`` itself.
+        if prep.get("bounced_from") is not plan:
+            prep["bounced_from"], (prep["into"], prep["copies"]) = plan, bounced(plan)
+        into: LoadPlan = prep["into"]
+        return into
+
     def prepare() -> str:
         # Everything a rank checks before it touches a tensor, as one agreement round: a rank
         # that finds its trainer state or a segment table corrupt fails every rank together.
@@ -268,7 +286,7 @@ def _load_verified(
         if not tables or not plan.same_dtypes:
             return "download" if remote is not None else "dcp"
         if single:
-            if not can_use_fast_path(plan.tensors, loading=True):
+            if not can_use_fast_path(reading(plan).tensors, loading=True):
                 return "dcp"
             prep["by_fqn"] = _parsed(path, rows, record, metadata, DATA_FILE, listed)
             return "single"
@@ -291,10 +309,11 @@ def _load_verified(
                 raise _corrupt(path, exc) from None
         try:
             if isinstance(index, FlatIndex):
-                reads: Any = plan_flat(plan.tensors, index, world, plan.flat)
+                into = reading(plan)
+                reads: Any = plan_flat(into.tensors, index, world, into.flat)
                 prep["flat"] = reads is not None
             else:
-                reads = plan_reads(plan.tensors, index, world, path)
+                reads = plan_reads(reading(plan).tensors, index, world, path)
         except (CorruptCheckpointError, NotPlaced):
             if not partial:
                 raise
@@ -305,7 +324,7 @@ def _load_verified(
             prep.update(plan=plan, flat=False)
             if not plan.same_dtypes:
                 return "download" if remote is not None else "dcp"
-            reads = plan_reads(plan.tensors, index, world, path)
+            reads = plan_reads(reading(plan).tensors, index, world, path)
         if reads is None:
             return "download" if remote is not None else "dcp"
         prep["reads"] = reads
@@ -331,6 +350,17 @@ def _load_verified(
         raise _NeedsDownload()
     mode = modes[rank] if len(set(modes)) == 1 else "dcp"
     doc, plan = prep["doc"], prep["plan"]
+    # Host copies are only made for the fast readers; DCP's reads into the destinations themselves.
+    copies: HostCopies = (
+        prep["copies"] if mode != "dcp" and prep.get("bounced_from") is plan else HostCopies([], [], [])
+    )
+
+    def copy_in() -> None:
+        if copies.names:
+            if guard is not None:
+                guard.back_up_whole(copies.names)  # before their memory is written, as the readers' backups are
+            copies.copy_in()
+
     if mode == "dcp" and not verified and ck.verify_checksums:
         # DCP's reader checks no checksums, and segment checks only happen on the fast paths
         # (not taken here, e.g. for another dtype): check every file before reading it.
@@ -348,7 +378,7 @@ def _load_verified(
     if not ck._rollback_loads:
         pass
     elif fits:
-        guard = Rollback(ck._stager, plan.live, incremental=mode != "dcp")
+        guard = Rollback(ck._stager, plan.live, incremental=mode != "dcp", deferred=copies.names)
     elif remote is not None:
         raise _NeedsDownload()  # no memory for a backup: verify everything first, on a local copy
     elif mode in ("single", "pieces") and ck.verify_checksums:
@@ -372,9 +402,10 @@ def _load_verified(
                     check_stored(checked, {DATA_FILE: segs})
                 finally:
                     checked.close()
-            read_fast(os.path.join(local, MODEL_DIR), plan.tensors, prep["by_fqn"], verify=ck.verify_checksums,
+            read_fast(os.path.join(local, MODEL_DIR), reading(plan).tensors, prep["by_fqn"], verify=ck.verify_checksums,
                       threads=ck.read_threads, before_write=before_write,
                       back_up_whole=guard.back_up_whole if guard is not None else None)  # fmt: skip
+            copy_in()
         elif mode == "pieces":
             source: Source
             if remote is not None:
@@ -400,12 +431,12 @@ def _load_verified(
                     source.close()  # read_pieces, which closes it, is not reached
                     raise
             read = read_flat if flat else read_pieces
-            agree(
-                lambda: read(source, reads, ck.verify_checksums, threads, before_write, whole),
-                None,
-                pg,
-                load_error,
-            )
+
+            def read_and_copy_in() -> None:
+                read(source, reads, ck.verify_checksums, threads, before_write, whole)
+                copy_in()  # in the same round: a rank whose copy fails fails every rank's load
+
+            agree(read_and_copy_in, None, pg, load_error)
         else:
             data_files = [k[len(MODEL_DIR) + 1 :] for k in record.files if k.startswith(MODEL_DIR + "/")]
             with quiet_dcp():

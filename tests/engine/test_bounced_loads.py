@@ -1,0 +1,100 @@
+"""Loads into tensors the fast readers cannot read into in place (memory that is not one run of the
+tensor's bytes on the CPU: a transposed parameter here, a GPU tensor on a GPU machine) go through
+the fast readers anyway: read and checked in host memory, then copied in. A failure anywhere leaves
+those tensors as they were, as for any other load."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ckptkeeper import Checkpointer, TrainingState, state_digest
+from ckptkeeper.errors import CheckpointMismatchError, CorruptCheckpointError
+
+
+def _transposed(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    # A parameter whose memory holds its transpose: non-contiguous, as after p.data = w.t(); over 1 MiB,
+    # so that the readers back it up by byte ranges rather than with a run of small tensors.
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(600, 520), nn.Linear(520, 8))
+    with torch.no_grad():
+        model[0].weight.data = model[0].weight.detach().t().contiguous().t()
+    assert not model[0].weight.is_contiguous()
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _stepped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, opt = _transposed(seed)
+    model(torch.randn(3, 600)).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _reader(caplog: pytest.LogCaptureFixture) -> list[Any]:
+    return [
+        r.ckptkeeper_event["reader"]  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "ckptkeeper_event", {}).get("event") == "load"
+    ]
+
+
+def test_a_non_contiguous_parameter_loads_through_the_fast_reader_in_its_own_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, opt = _stepped(0)
+    want = state_digest(model, opt)
+    path = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt)).path
+    back, back_opt = _stepped(1)
+    weight, strides, at = back[0].weight, back[0].weight.stride(), back[0].weight.data_ptr()
+    caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
+    Checkpointer().load(path, TrainingState(back, back_opt))
+    assert _reader(caplog) == ["fast"]  # was DCP's reader, for one non-contiguous parameter
+    assert state_digest(back, back_opt) == want
+    # Loaded into the parameter itself: same object, same memory, same layout.
+    assert back[0].weight is weight and weight.stride() == strides and weight.data_ptr() == at
+    assert torch.equal(weight, model[0].weight)
+
+
+def test_a_damaged_checkpoint_leaves_a_non_contiguous_parameter_as_it_was(tmp_path: Path) -> None:
+    model, opt = _stepped(0)
+    path = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt)).path
+    data = Path(path) / "model_and_optim" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # in the middle of the tensors' bytes
+    data.write_bytes(bytes(raw))
+    back, back_opt = _stepped(1)
+    before = state_digest(back, back_opt)
+    with pytest.raises(CorruptCheckpointError):
+        Checkpointer().load(path, TrainingState(back, back_opt))
+    assert state_digest(back, back_opt) == before
+
+
+class _Picky:
+    """An extra that refuses a state saved under another key: the load fails after the tensors are in."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.value = key, 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: self.value}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd[self.key]
+
+
+def test_a_load_that_fails_after_the_copies_went_in_puts_a_non_contiguous_parameter_back(tmp_path: Path) -> None:
+    model, opt = _stepped(0)
+    path = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt, extra={"p": _Picky("a")})).path
+    back, back_opt = _stepped(1)
+    before = state_digest(back, back_opt)
+    weight = back[0].weight.detach().clone()
+    with pytest.raises(CheckpointMismatchError, match="KeyError"):
+        Checkpointer().load(path, TrainingState(back, back_opt, extra={"p": _Picky("b")}))
+    assert torch.equal(back[0].weight, weight) and not back[0].weight.is_contiguous()
+    assert state_digest(back, back_opt) == before
