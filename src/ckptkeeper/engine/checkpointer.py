@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 from .. import distributed as D
 from ..errors import ConfigurationError
 from ..storage import storage_for
@@ -49,8 +51,8 @@ from .saving import (
     train_payload,
     write_checkpoint,
 )
-from .staging import Stager
-from .state import TrainingState, capture_to_write
+from .staging import Stager, local_shard
+from .state import TrainingState, capture_to_write, flatten_tensors
 
 __all__ = ["CheckpointInfo", "Checkpointer", "SaveResult", "SaveStage"]
 
@@ -230,14 +232,45 @@ class Checkpointer:
                 # left the others' save going on, pairing its exchanges with this rank's next
                 # save: the save's first exchange, before anything is touched, raises it everywhere.
                 got = _take_state(step, state, train_state, metrics, world)
-                result = self._write(
-                    save_folder, step, got.tensors, got.payload, ephemeral, t0, got.metrics, got.failed
-                )
+                tensors = got.tensors if got.failed is not None else self._on_host(step, got.tensors)
+                result = self._write(save_folder, step, tensors, got.payload, ephemeral, t0, got.metrics, got.failed)
         finally:
             here.depth -= 1
             anyone.depth -= 1
         emit_save(result, is_async=False)
         return result
+
+    def _on_host(self, step: int, tensors: dict[str, Any]) -> dict[str, Any]:
+        """``tensors`` with those on a GPU copied into this checkpointer's (pinned, reused) staging
+        buffers, as an async save stages them; ``tensors`` itself when none is on a GPU, when
+        they would not fit the staging budget, or when the copy fails.
+
+        The fast writers write host memory: a synchronous save of a GPU state went to DCP's
+        writer (a sync save of a 768 MiB CUDA state took 1.3 s on an H200 where the async one was
+        durable in 0.7 s). Several ranks need not agree here: each rank's writer is agreed on
+        later, from what it was given.
+        """
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return tensors  # no tensor can be on a GPU: nothing to look at (a walk costs ms per 10,000)
+        if not any(local_shard(t).is_cuda for _, t in flatten_tensors(tensors)):
+            return tensors
+        need, short = staging_need(tensors)
+        if short is not None:
+            return tensors  # the writers refuse it by name
+        if self.staging_budget_bytes is not None and need > self.staging_budget_bytes:
+            log.info(
+                "step %d: staging %.1f MiB of GPU tensors would exceed the staging budget; DCP's writer saves them",
+                step,
+                need / 2**20,
+            )
+            return tensors
+        self._runner.settle()  # no background save may still be writing from the buffers
+        try:
+            return self._stager.stage_lazily(tensors)()
+        except Exception as exc:  # host memory running out, say: DCP's writer copies tensor by tensor
+            self._stager.release()
+            log.warning("step %d: could not copy GPU tensors to host memory (%s); DCP's writer saves them", step, exc)
+            return tensors
 
     def save_async(
         self,
