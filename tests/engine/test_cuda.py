@@ -10,10 +10,12 @@ is the GPU writes blobs that name the CPU; an FSDP2 state sharded over a CUDA me
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +45,20 @@ def _fresh(device: str, seed: int, dtype: torch.dtype = torch.float32) -> tuple[
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
+def _readers(caplog: pytest.LogCaptureFixture) -> list[Any]:
+    # How each load read its tensors ("fast", "pieces" or "dcp"), from its metrics event.
+    return [
+        r.ckptkeeper_event["reader"]  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "ckptkeeper_event", {}).get("event") == "load"
+    ]
+
+
+def _fast_written(folder: str) -> bool:
+    # The fast writers leave a segment table beside DCP's files; DCP's writer does not.
+    return any(p.name.startswith(".ckptkeeper-layout") for p in (Path(folder) / "model_and_optim").iterdir())
+
+
 def _tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     found: list[torch.Tensor] = list(model.parameters())
     for slots in opt.state.values():
@@ -51,12 +67,17 @@ def _tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_cuda_state_round_trips_bit_identical_and_stays_on_the_device(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_a_cuda_state_round_trips_bit_identical_and_stays_on_the_device(
+    tmp_path: Path, dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
     model, opt = _trained("cuda", dtype=dtype)
     want = state_digest(model, opt)
     path = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt)).path
+    assert _fast_written(path)  # a synchronous save from the GPU goes through host staging, not DCP's writer
     back, back_opt = _fresh("cuda", seed=7, dtype=dtype)
+    caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
     Checkpointer().load(path, TrainingState(back, back_opt))
+    assert _readers(caplog) == ["fast"]  # read through host tensors, not DCP's reader
     assert state_digest(back, back_opt) == want
     loaded = _tensors(back, back_opt)
     assert len(loaded) == len(_tensors(model, opt))
@@ -78,8 +99,9 @@ def test_an_async_save_from_cuda_keeps_the_values_it_was_asked_for_in_pinned_sta
                 p.mul_(-3.0)  # on the device, while the save may still be writing
         result = future.result()
         assert result.blocked_s <= result.durable_s
-        buffers = list(ckpt._stager._buffers.values())
-        assert buffers and all(b.is_pinned() for b in buffers)
+        # Every buffer of a GPU tensor is pinned; AdamW's steps are CPU scalars, staged as they are.
+        on_gpu = sum(t.is_cuda for t in _tensors(model, opt))
+        assert on_gpu and sum(b.is_pinned() for b in ckpt._stager._buffers.values()) == on_gpu
         back, back_opt = _fresh("cuda", seed=3)
         ckpt.load(path, TrainingState(back, back_opt))
         assert state_digest(back, back_opt) == want
@@ -87,7 +109,7 @@ def test_an_async_save_from_cuda_keeps_the_values_it_was_asked_for_in_pinned_sta
         changed = state_digest(model, opt)
         path2, future2 = ckpt.save_async(str(tmp_path), 2, TrainingState(model, opt))
         future2.result()
-        assert all(b.is_pinned() for b in ckpt._stager._buffers.values())
+        assert sum(b.is_pinned() for b in ckpt._stager._buffers.values()) == on_gpu
         again, again_opt = _fresh("cuda", seed=4)
         ckpt.load(path2, TrainingState(again, again_opt))
         assert state_digest(again, again_opt) == changed
@@ -152,7 +174,7 @@ def test_a_process_whose_default_device_is_the_gpu_writes_checkpoints_a_cpu_proc
     assert all(torch.equal(stock["model"][k], v) for k, v in back.state_dict().items())
 
 
-def test_an_fsdp2_state_on_a_cuda_mesh_round_trips(tmp_path: Path) -> None:
+def test_an_fsdp2_state_on_a_cuda_mesh_round_trips(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -180,11 +202,15 @@ def test_an_fsdp2_state_on_a_cuda_mesh_round_trips(tmp_path: Path) -> None:
         ckpt.save(str(tmp_path), 1, TrainingState(model, opt))
         _, future = ckpt.save_async(str(tmp_path), 2, TrainingState(model, opt))
         future.result()
+        caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
         for step in (1, 2):
             other, other_opt = sharded(step + 10)
             ckpt.load(str(tmp_path / f"step{step}"), TrainingState(other, other_opt))
             assert state_digest(other, other_opt) == want
             assert all(p.to_local().device.type == "cuda" for p in other.parameters())  # type: ignore[attr-defined]
+        # (At one rank a DTensor state is read by DCP's reader, on the CPU too: the per-rank fast
+        # reader serves several ranks, which this one-GPU test cannot start.)
+        assert len(_readers(caplog)) == 2
         ckpt.close()
     finally:
         dist.destroy_process_group()
