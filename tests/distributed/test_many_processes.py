@@ -165,3 +165,11 @@ def test_a_checkpointer_given_a_group_without_global_rank_zero_saves_and_loads(t
     out = run_ranks(2, workers.save_in_a_group_without_global_rank_zero, str(tmp_path / "run"), out=tmp_path / "o")
     assert all(o["ok"] for o in out), out
     assert [o["value"] for o in out] == [None, True]
+
+
+def test_dtensors_with_non_contiguous_local_shards_load_through_the_per_rank_reader(tmp_path: Path) -> None:
+    # Such shards (and every shard on a GPU) are read into host tensors and copied in: they went to
+    # DCP's reader before.
+    out = run_ranks(2, workers.non_contiguous_dtensor_load, str(tmp_path / "run"), out=tmp_path / "o")
+    assert all(o["ok"] for o in out), out
+    assert [o["value"] for o in out] == [{"equal": True, "in_place": True, "readers": ["pieces"]}] * 2

@@ -1020,3 +1020,49 @@ def sharded_round_trip_under_a_meta_default(rank: int, folder: str) -> bool:
     finally:
         torch.set_default_device("cpu")
     return state_digest(other, other_opt) == want
+
+
+def _dtensor_linear(seed: int, transposed: bool) -> nn.Module:
+    # A Linear whose weight is a row-sharded DTensor made by hand; with ``transposed`` its local
+    # shard's memory holds the transpose (non-contiguous), as some tensor-parallel layouts do.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(seed)
+    model = nn.Linear(16, 12, bias=False)
+    rows = torch.randn(12, 16).chunk(2)[mesh.get_local_rank()]
+    local = rows.t().contiguous().t() if transposed else rows.clone()
+    model.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+    return model
+
+
+def non_contiguous_dtensor_load(rank: int, folder: str) -> dict[str, Any]:
+    """A checkpoint of row-sharded DTensors loaded into DTensors whose local shards are not contiguous."""
+    import logging
+
+    readers: list[str] = []
+
+    class _Readers(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            event = getattr(record, "ckptkeeper_event", {})
+            if event.get("event") == "load":
+                readers.append(event["reader"])
+
+    metrics = logging.getLogger("ckptkeeper.metrics")
+    metrics.setLevel(logging.INFO)
+    metrics.addHandler(_Readers())
+    saved = _dtensor_linear(0, transposed=False)
+    ckpt = Checkpointer()
+    ckpt.save(folder, 1, TrainingState(saved))
+    into = _dtensor_linear(1, transposed=True)
+    local = into.weight._local_tensor  # type: ignore[attr-defined]
+    strides, at = local.stride(), local.data_ptr()
+    ckpt.load(f"{folder}/step1", TrainingState(into))
+    ckpt.close()
+    after = into.weight._local_tensor  # type: ignore[attr-defined]
+    return {
+        "equal": bool(torch.equal(after, saved.weight._local_tensor)),  # type: ignore[attr-defined]
+        "in_place": after is local and after.stride() == strides and after.data_ptr() == at,
+        "readers": readers,
+    }
