@@ -98,3 +98,42 @@ def test_a_load_that_fails_after_the_copies_went_in_puts_a_non_contiguous_parame
         Checkpointer().load(path, TrainingState(back, back_opt, extra={"p": _Picky("b")}))
     assert torch.equal(back[0].weight, weight) and not back[0].weight.is_contiguous()
     assert state_digest(back, back_opt) == before
+
+
+def _buffer_module(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Module()
+    m.register_buffer("w", torch.randn(300, 200).t().contiguous().t())
+    return m
+
+
+def test_a_non_contiguous_inference_tensor_is_still_loaded_by_dcps_reader(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by an outside attack: an inference tensor takes no copy_ outside inference mode, so the
+    # host copy could not go in and the load failed (as a mismatch); DCP's reader fills it.
+    saved = _buffer_module(0)
+    path = Checkpointer().save(str(tmp_path), 1, TrainingState(saved)).path
+    with torch.inference_mode():
+        into = _buffer_module(1)
+    caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
+    Checkpointer().load(path, TrainingState(into))
+    assert _reader(caplog) == ["dcp"]
+    assert torch.equal(into.w, saved.w)
+
+
+def test_host_copies_that_would_exceed_the_staging_budget_are_not_made(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by an outside attack: the host copies (a transposed 600x520 weight and its two AdamW
+    # slots, made like it: 3.6 MiB) were made whatever the budget; over it, DCP's reader reads.
+    model, opt = _stepped(0)
+    want = state_digest(model, opt)
+    path = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt)).path
+    caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
+    for budget, reader in ((1 << 20, "dcp"), (64 << 20, "fast")):
+        caplog.clear()
+        back, back_opt = _stepped(1)
+        Checkpointer(staging_budget_bytes=budget).load(path, TrainingState(back, back_opt))
+        assert _reader(caplog) == [reader], budget
+        assert state_digest(back, back_opt) == want

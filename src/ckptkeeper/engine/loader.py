@@ -409,12 +409,13 @@ def _needs_host_copy(t: torch.Tensor) -> torch.Tensor | None:
         return None
     if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.layout is not torch.strided:
         return None
-    if local.is_quantized or local.is_meta or local.is_conj() or local.is_neg():
+    if local.is_quantized or local.is_meta or local.is_conj() or local.is_neg() or local.is_inference():
+        # (An inference tensor takes no copy_ outside inference mode: DCP's reader fills it.)
         return None
     return local
 
 
-def bounced(plan: LoadPlan) -> tuple[LoadPlan, HostCopies]:
+def bounced(plan: LoadPlan, budget: int | None = None) -> tuple[LoadPlan, HostCopies]:
     """The plan the fast readers fill, and the destinations they fill through host tensors.
 
     A destination on a GPU, or whose memory does not hold its elements one after another (a
@@ -424,7 +425,8 @@ def bounced(plan: LoadPlan) -> tuple[LoadPlan, HostCopies]:
     the same shape and dtype (under the same sharding spec for a DTensor); the readers fill and
     check those, and :meth:`HostCopies.copy_in` copies them in afterwards, so a failed read
     leaves the destinations untouched. It costs one host copy of those tensors while the load
-    runs. Without any such destination, ``plan`` itself comes back.
+    runs, which must fit ``budget`` bytes (the staging budget); without any such destination, or
+    over the budget, ``plan`` itself comes back (and DCP's reader reads it).
     """
     names: list[str] = []
     dests: list[torch.Tensor] = []
@@ -462,7 +464,7 @@ def bounced(plan: LoadPlan) -> tuple[LoadPlan, HostCopies]:
             local = _needs_host_copy(t)
             if local is not None:
                 host(key, t, local)
-    if not swapped:
+    if not swapped or (budget is not None and sum(c.nbytes for c in copies) > budget):
         return plan, HostCopies([], [], [])
 
     def rebuilt(tree: Mapping[str, Any]) -> dict[str, Any]:
