@@ -72,8 +72,10 @@ def test_a_cuda_state_round_trips_bit_identical_and_stays_on_the_device(
 ) -> None:
     model, opt = _trained("cuda", dtype=dtype)
     want = state_digest(model, opt)
-    path = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt)).path
+    ckpt = Checkpointer()
+    path = ckpt.save(str(tmp_path), 1, TrainingState(model, opt)).path
     assert _fast_written(path)  # a synchronous save from the GPU goes through host staging, not DCP's writer
+    assert ckpt._stager.nbytes == 0  # through a copy freed after the save: sync saves keep no host copy
     back, back_opt = _fresh("cuda", seed=7, dtype=dtype)
     caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
     Checkpointer().load(path, TrainingState(back, back_opt))

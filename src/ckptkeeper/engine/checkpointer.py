@@ -241,14 +241,15 @@ class Checkpointer:
         return result
 
     def _on_host(self, step: int, tensors: dict[str, Any]) -> dict[str, Any]:
-        """``tensors`` with those on a GPU copied into this checkpointer's (pinned, reused) staging
-        buffers, as an async save stages them; ``tensors`` itself when none is on a GPU, when
-        they would not fit the staging budget, or when the copy fails.
+        """``tensors`` with those on a GPU copied to host memory; ``tensors`` itself when none is
+        on a GPU, when they would not fit the staging budget, or when the copy fails.
 
         The fast writers write host memory: a synchronous save of a GPU state went to DCP's
         writer (a sync save of a 768 MiB CUDA state took 1.3 s on an H200 where the async one was
-        durable in 0.7 s). Several ranks need not agree here: each rank's writer is agreed on
-        later, from what it was given.
+        durable in 0.7 s). Where async saves made staging buffers, they are reused (pinned);
+        otherwise the copy is pageable memory, freed after the save: a checkpointer used only for
+        sync saves keeps no host copy of the state between saves. Several ranks need not agree
+        here: each rank's writer is agreed on later, from what it was given.
         """
         if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return tensors  # no tensor can be on a GPU: nothing to look at (a walk costs ms per 10,000)
@@ -265,10 +266,11 @@ class Checkpointer:
             )
             return tensors
         self._runner.settle()  # no background save may still be writing from the buffers
+        stager = self._stager if self._stager.nbytes else Stager(pin=False)
         try:
-            return self._stager.stage_lazily(tensors)()
+            return stager.stage_lazily(tensors)()
         except Exception as exc:  # host memory running out, say: DCP's writer copies tensor by tensor
-            self._stager.release()
+            stager.release()
             log.warning("step %d: could not copy GPU tensors to host memory (%s); DCP's writer saves them", step, exc)
             return tensors
 

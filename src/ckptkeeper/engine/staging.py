@@ -69,9 +69,14 @@ def _layout_of(locals_: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, torc
 
 
 class Stager:
-    """Copies a tensor tree into buffers it owns; ``allocations`` counts buffer (re)allocations."""
+    """Copies a tensor tree into buffers it owns; ``allocations`` counts buffer (re)allocations.
 
-    def __init__(self) -> None:
+    ``pin``: the buffers of GPU tensors are pinned host memory (copied at several times the speed
+    of pageable memory, but slow to allocate: worth it for buffers that are reused).
+    """
+
+    def __init__(self, pin: bool = True) -> None:
+        self._pin = pin
         self._layout: tuple[tuple[str, torch.Size, torch.dtype], ...] | None = None
         self._buffers: dict[str, torch.Tensor] = {}
         self.allocations = 0
@@ -126,13 +131,18 @@ class Stager:
             else:
                 locals_.append((p, local_shard(t)))
         self._buffers_for(locals_)
-        any_cuda = False
+        gpus: set[int] = set()
         with torch.no_grad():
             for path, src in locals_:
-                any_cuda |= src.is_cuda
-                self._buffers[path].copy_(src, non_blocking=src.is_cuda)
-        if any_cuda:
-            torch.cuda.synchronize()
+                if src.is_cuda:
+                    gpus.add(src.get_device())
+                    self._buffers[path].copy_(src, non_blocking=True)
+                else:
+                    self._buffers[path].copy_(src)
+        # Every GPU the copies came from (one process may hold tensors on several: pipeline
+        # stages, device_map), not only the current one: the writer reads the buffers next.
+        for gpu in gpus:
+            torch.cuda.synchronize(gpu)
         return lambda: self._rebuild(tree, "", sharded)
 
     def _allocate(self, leaves: list[tuple[str, torch.Tensor]]) -> None:
@@ -143,7 +153,10 @@ class Stager:
                 self._buffers[path] = torch.empty_like(loc)
             else:
                 self._buffers[path] = torch.empty(
-                    loc.shape, dtype=loc.dtype, device="cpu", pin_memory=loc.is_cuda and torch.cuda.is_available()
+                    loc.shape,
+                    dtype=loc.dtype,
+                    device="cpu",
+                    pin_memory=self._pin and loc.is_cuda and torch.cuda.is_available(),
                 )
         self.allocations += 1
 
