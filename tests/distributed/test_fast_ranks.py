@@ -595,6 +595,17 @@ def test_a_tensor_one_rank_cannot_save_fails_every_rank_on_the_dcp_and_staging_p
         assert value["steps"] == [2], value
 
 
+def test_a_sparse_csr_extra_on_one_rank_is_refused_by_name_with_the_per_rank_writer(tmp_path: Path) -> None:
+    # With the per-rank writer chosen by default too (the test above uses DCP's): torch calls a CSR
+    # tensor not "sparse" (is_sparse is for COO only), which a one-rank DTensor save let through.
+    out = run_ranks(2, workers.unsaveable_extra_on_one_rank, str(tmp_path / "ck"), "sparse", False, "auto",
+                    out=tmp_path / "o", timeout=120)  # fmt: skip
+    zero, one = _ok(out)
+    assert "extra.b.t" in one["error"] and "sparse_csr" in one["error"], one
+    assert "rank 1" in zero["error"] or "another rank" in zero["error"], zero
+    assert zero["steps"] == one["steps"] == [2]
+
+
 @pytest.mark.parametrize("what", ["save", "load", "failing load"])
 def test_ctrl_c_while_a_rank_waits_in_an_exchange_ends_the_save_alike_on_every_rank(tmp_path: Path, what: str) -> None:
     # Found by an outside attack: a real SIGINT interrupted the wait inside the exchange itself,

@@ -800,7 +800,9 @@ class _Box:
         self.t = sd["t"]
 
 
-def unsaveable_extra_on_one_rank(rank: int, folder: str, kind: str, background: bool) -> dict[str, Any]:
+def unsaveable_extra_on_one_rank(
+    rank: int, folder: str, kind: str, background: bool, writer: str = "dcp"
+) -> dict[str, Any]:
     """Rank 1 alone holds an extra that cannot be saved (``sparse``: CSR; ``shrunk``: storage
     resized under it; ``meta``; ``no memory``: its staging buffers cannot be allocated;
     ``state_dict raises``: the extra's state_dict() fails; ``train state``: a train_state that
@@ -823,7 +825,7 @@ def unsaveable_extra_on_one_rank(rank: int, folder: str, kind: str, background: 
             t = torch.empty(8, device="meta")
     box = _Box(t)
     st = TrainingState(nn.Linear(2, 2), extra={"b": box})
-    ckpt = Checkpointer(writer="dcp")
+    ckpt = Checkpointer(writer=writer)  # type: ignore[arg-type]
     error = ""
     allocate = torch.empty_like
     if kind == "no memory" and rank == 1:

@@ -195,7 +195,7 @@ def _load_verified(
         # cannot read into (on a GPU, say), copied in once every byte is read and checked. DCP's
         # reader, when it is taken instead, reads into ``plan`` itself.
         if prep.get("bounced_from") is not plan:
-            prep["bounced_from"], (prep["into"], prep["copies"]) = plan, bounced(plan)
+            prep["bounced_from"], (prep["into"], prep["copies"]) = plan, bounced(plan, ck.staging_budget_bytes)
         into: LoadPlan = prep["into"]
         return into
 
@@ -224,7 +224,9 @@ def _load_verified(
                 record.world_size,
             )
         tables = {} if olmo else discovery.segment_tables(record)
+        # (A one-rank checkpoint of DTensors has the same data file under a per-rank table.)
         single = world == 1 and remote is None and record.world_size == 1 and list(tables) == [DATA_FILE]
+        single = single and not is_pieces_table(tables[DATA_FILE] or "")
         metadata: Any = None
         index: PieceIndex | FlatIndex | None = None
         partial = False  # planned from this rank's own table and the shared index only

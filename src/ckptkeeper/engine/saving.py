@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from .. import distributed as D
 from ..errors import CheckpointSaveError, ConfigurationError, DiskFullError
@@ -39,6 +40,7 @@ from .discovery import LAYOUT_FILE
 from .fastio import (
     DATA_FILE,
     TENSORS_KEY,
+    Leaves,
     Segment,
     can_use_fast_path,
     check_plain,
@@ -262,8 +264,14 @@ def write_checkpoint(
             os.makedirs(os.path.join(work, MODEL_DIR), exist_ok=True)
         if rank == 0:
             commit.prepare(final)
-        if world == 1 or settings.writer != "auto":
+        if settings.writer != "auto":
             return None
+        if world == 1:
+            # One process: plain CPU tensors take the single-process writer; a state of DTensors
+            # (FSDP2 at one rank) takes the per-rank writer, which went to DCP's before.
+            single_leaves.append(walk(tensors))
+            if not any(type(v) is DTensor for _, _, v in single_leaves[0]):
+                return None
         found = plan_shard(tensors, rank, world, settings.memo, eager=settings.on_stage is not None)
         if found is None:
             return None
@@ -313,7 +321,7 @@ def write_checkpoint(
             my_layout.append((layout, whole_sums))
             return
         with translate_os_error(work):
-            leaves = walk(tensors) if world == 1 and settings.writer == "auto" else None
+            leaves = single_leaves[0] if single_leaves else None
             model_dir = os.path.join(work, MODEL_DIR)
             out: tuple[dict[str, FileEntry], list[Segment]] | None = None
             if leaves is not None and can_use_fast_path(leaves):
@@ -370,6 +378,7 @@ def write_checkpoint(
             commit.publish(work, final, record)
 
     shard: list[ShardPlan] = []
+    single_leaves: list[Leaves] = []  # one process: the tree's leaves, walked once in prepare()
     sharded = False
     dcp_tree: list[dict[str, Any]] = []  # what DCP's writer is given, once check_for_dcp made and checked it
     my_layout: list[tuple[ShardLayout, tuple[str, ...]]] = []
@@ -380,7 +389,7 @@ def write_checkpoint(
         signatures = agree(prepare, step, pg)
         # Every rank takes the same path: the per-rank fast writer only where all ranks can, and
         # with the same replicated tensors (their writers are chosen from that list).
-        sharded = world > 1 and signatures[0] is not None and len(set(signatures)) == 1
+        sharded = signatures[0] is not None and len(set(signatures)) == 1
         stage = "writing tensors"
         if world > 1 and not sharded:
             agree(check_for_dcp, step, pg)

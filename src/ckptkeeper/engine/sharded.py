@@ -221,6 +221,9 @@ def _plain_placements(placements: Any) -> bool:
     return all(type(p) in (Shard, Replicate) for p in placements)
 
 
+_STRIDED = torch.strided
+
+
 def _region(value: Any, world: int) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
     """(local data, global offsets, global shape) of a leaf; None when this path cannot take it."""
     if isinstance(value, DTensor):
@@ -265,7 +268,9 @@ def _box(value: DTensor, world: int) -> tuple[tuple[int, ...], tuple[int, ...], 
 
 def _usable(t: torch.Tensor) -> bool:
     # is_cpu rather than device.type: a device object per look costs a microsecond, per tensor per load.
-    return t.is_cpu and not t.is_sparse and not t.is_quantized
+    # The layout, not is_sparse alone: a sparse CSR tensor is not "sparse" to torch, and has no
+    # is_contiguous() (its save failed with torch's words); DCP's path refuses it by name.
+    return t.is_cpu and t.layout is _STRIDED and not t.is_quantized
 
 
 def _name_hash(fqn: str) -> int:
