@@ -190,14 +190,21 @@ def _load_verified(
     olmo = isinstance(record, discovery.OlmoCoreRecord)
     prep: dict[str, Any] = {}
 
-    def reading(plan: LoadPlan) -> LoadPlan:
-        # What the fast readers fill for ``plan``: host tensors in place of destinations they
-        # cannot read into (on a GPU, say), copied in once every byte is read and checked. DCP's
-        # reader, when it is taken instead, reads into ``plan`` itself.
-        if prep.get("bounced_from") is not plan:
-            prep["bounced_from"], (prep["into"], prep["copies"]) = plan, bounced(plan, ck.staging_budget_bytes)
-        into: LoadPlan = prep["into"]
-        return into
+    def fast_reads(plan: LoadPlan, fits: Callable[[LoadPlan], Any]) -> Any:
+        # ``fits`` (a fast reader's planning: None where it cannot fill a destination in place)
+        # for ``plan``; where it gives None, again with host tensors in place of the destinations
+        # it cannot fill (on a GPU, say), copied in once every byte is read and checked. Tried
+        # second so that a load with none pays nothing for the look (a pass over every tensor).
+        # What the readers fill is kept in prep; DCP's reader, if taken, reads into ``plan``.
+        prep.update(bounced_from=plan, into=plan, copies=HostCopies([], [], []))
+        found = fits(plan)
+        if found is None:
+            into, copies = bounced(plan, ck.staging_budget_bytes)
+            if into is not plan:
+                found = fits(into)
+                if found is not None:
+                    prep.update(into=into, copies=copies)
+        return found
 
     def prepare() -> str:
         # Everything a rank checks before it touches a tensor, as one agreement round: a rank
@@ -288,7 +295,7 @@ def _load_verified(
         if not tables or not plan.same_dtypes:
             return "download" if remote is not None else "dcp"
         if single:
-            if not can_use_fast_path(reading(plan).tensors, loading=True):
+            if fast_reads(plan, lambda p: can_use_fast_path(p.tensors, loading=True) or None) is None:
                 return "dcp"
             prep["by_fqn"] = _parsed(path, rows, record, metadata, DATA_FILE, listed)
             return "single"
@@ -311,11 +318,12 @@ def _load_verified(
                 raise _corrupt(path, exc) from None
         try:
             if isinstance(index, FlatIndex):
-                into = reading(plan)
-                reads: Any = plan_flat(into.tensors, index, world, into.flat)
+                flat_index_ = index
+                reads: Any = fast_reads(plan, lambda p: plan_flat(p.tensors, flat_index_, world, p.flat))
                 prep["flat"] = reads is not None
             else:
-                reads = plan_reads(reading(plan).tensors, index, world, path)
+                piece_index = index
+                reads = fast_reads(plan, lambda p: plan_reads(p.tensors, piece_index, world, path))
         except (CorruptCheckpointError, NotPlaced):
             if not partial:
                 raise
@@ -326,7 +334,8 @@ def _load_verified(
             prep.update(plan=plan, flat=False)
             if not plan.same_dtypes:
                 return "download" if remote is not None else "dcp"
-            reads = plan_reads(reading(plan).tensors, index, world, path)
+            every = index
+            reads = fast_reads(plan, lambda p: plan_reads(p.tensors, every, world, path))
         if reads is None:
             return "download" if remote is not None else "dcp"
         prep["reads"] = reads
@@ -404,7 +413,7 @@ def _load_verified(
                     check_stored(checked, {DATA_FILE: segs})
                 finally:
                     checked.close()
-            read_fast(os.path.join(local, MODEL_DIR), reading(plan).tensors, prep["by_fqn"], verify=ck.verify_checksums,
+            read_fast(os.path.join(local, MODEL_DIR), prep["into"].tensors, prep["by_fqn"], verify=ck.verify_checksums,
                       threads=ck.read_threads, before_write=before_write,
                       back_up_whole=guard.back_up_whole if guard is not None else None)  # fmt: skip
             copy_in()
