@@ -597,7 +597,7 @@ def test_a_tensor_one_rank_cannot_save_fails_every_rank_on_the_dcp_and_staging_p
 
 def test_a_sparse_csr_extra_on_one_rank_is_refused_by_name_with_the_per_rank_writer(tmp_path: Path) -> None:
     # With the per-rank writer chosen by default too (the test above uses DCP's): torch calls a CSR
-    # tensor not "sparse" (is_sparse is for COO only), which a one-rank DTensor save let through.
+    # tensor not "sparse" (is_sparse is for COO only), so the per-rank path keeps it out by layout.
     out = run_ranks(2, workers.unsaveable_extra_on_one_rank, str(tmp_path / "ck"), "sparse", False, "auto",
                     out=tmp_path / "o", timeout=120)  # fmt: skip
     zero, one = _ok(out)

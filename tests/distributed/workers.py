@@ -1068,3 +1068,18 @@ def non_contiguous_dtensor_load(rank: int, folder: str) -> dict[str, Any]:
         "in_place": after is local and after.stride() == strides and after.data_ptr() == at,
         "readers": readers,
     }
+
+
+def load_into_sharded_digest(rank: int, path: str) -> str:
+    """Load ``path`` into a 2-rank FSDP2 copy of tests/engine/test_one_rank_dtensors.py's model; its digest."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 6))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    Checkpointer().load(path, TrainingState(model, opt))
+    return state_digest(model, opt)

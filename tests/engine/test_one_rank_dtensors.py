@@ -1,6 +1,8 @@
 """A state of DTensors in one process (FSDP2 at one rank: a one-GPU run of a sharded recipe) takes
-the per-rank fast writer and reader. Before, DCP's own writer and reader saved and loaded it (on an
-H200 such a save ran at 1.03x DCP's speed and the load at 0.65x)."""
+the single-process fast writer and reader: at one rank each DTensor holds its whole tensor, saved
+and loaded as that plain tensor, in the format every reader of single-process checkpoints (older
+ckptkeeper versions, stock DCP) reads. Before, DCP's own writer and reader saved and loaded it (on
+an H200 such a save ran at 1.03x DCP's speed and the load at 0.65x)."""
 
 from __future__ import annotations
 
@@ -61,11 +63,11 @@ def test_fsdp2_at_one_rank_saves_and_loads_through_the_fast_path(
     else:
         path, future = ckpt.save_async(str(tmp_path), 1, TrainingState(model, opt))
         future.result()
-    assert ".ckptkeeper-pieces-0.json" in _tables(path)  # the per-rank writer's table (DCP's writes none)
+    assert _tables(path) == [".ckptkeeper-layout.json"]  # the single-process writer's table (DCP's writes none)
     caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
     back, back_opt = _sharded(mesh, 1, step=False)
     ckpt.load(path, TrainingState(back, back_opt))
-    assert _readers(caplog) == ["pieces"]
+    assert _readers(caplog) == ["fast"]
     assert state_digest(back, back_opt) == want
     # Into a plain model and optimizer, in the same process: the same values.
     torch.manual_seed(2)
@@ -79,7 +81,7 @@ def test_fsdp2_at_one_rank_saves_and_loads_through_the_fast_path(
 def test_a_one_rank_dtensor_checkpoint_loads_in_stock_dcp_without_ckptkeeper(tmp_path: Path, mesh: DeviceMesh) -> None:
     model, opt = _sharded(mesh, 0)
     path = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt)).path
-    assert ".ckptkeeper-pieces-0.json" in _tables(path)
+    assert _tables(path) == [".ckptkeeper-layout.json"]
     expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
     torch.save(expected, tmp_path / "expected.pt")
     script = textwrap.dedent(
@@ -144,14 +146,32 @@ class _Extra:
         self.t = sd["t"]
 
 
-def test_a_sparse_csr_extra_beside_dtensors_is_refused_by_name(tmp_path: Path, mesh: DeviceMesh) -> None:
-    # Found while making this path: torch calls a CSR tensor not "sparse" (is_sparse is for COO
-    # only), so the per-rank writer took it and failed with torch's words ("Sparse CSR tensors do
-    # not have is_contiguous").
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [("sparse_csr", "a sparse_csr tensor"), ("nested", "a nested tensor")],
+)
+def test_a_tensor_no_checkpoint_stores_beside_dtensors_is_refused_by_name(
+    tmp_path: Path, mesh: DeviceMesh, kind: str, named: str
+) -> None:
+    # Found while making this path and by an outside attack on it: when the per-rank writer took a
+    # one-rank DTensor state, a CSR tensor (which torch does not call "sparse": is_sparse is for
+    # COO only) and a nested one failed with torch's words instead of their names.
     from ckptkeeper.errors import CheckpointSaveError, ConfigurationError
 
+    odd = torch.eye(3).to_sparse_csr() if kind == "sparse_csr" else torch.nested.nested_tensor([torch.ones(2)] * 2)
     model, opt = _sharded(mesh, 0)
-    st = TrainingState(model, opt, extra={"x": _Extra(torch.eye(3).to_sparse_csr())})
-    with pytest.raises((CheckpointSaveError, ConfigurationError), match=r"extra\.x\.t is a sparse_csr tensor"):
+    st = TrainingState(model, opt, extra={"x": _Extra(odd)})
+    with pytest.raises((CheckpointSaveError, ConfigurationError), match=rf"extra\.x\.t is {named}"):
         Checkpointer().save(str(tmp_path), 1, st)
     assert not [p for p in os.listdir(tmp_path) if p.startswith("step")]
+
+
+def test_a_one_rank_dtensor_checkpoint_loads_at_two_ranks_into_fsdp2(tmp_path: Path, mesh: DeviceMesh) -> None:
+    from ..distributed import workers
+    from ..distributed.spawn import run_ranks
+
+    model, opt = _sharded(mesh, 0)
+    path = Checkpointer().save(str(tmp_path / "run"), 1, TrainingState(model, opt)).path
+    out = run_ranks(2, workers.load_into_sharded_digest, path, out=tmp_path / "o")
+    assert [o["ok"] for o in out] == [True, True], out
+    assert [o["value"] for o in out] == [state_digest(model, opt)] * 2

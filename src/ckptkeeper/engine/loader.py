@@ -34,6 +34,7 @@ from ..storage.local import open_regular
 from .fastio import overlapping_spans
 from .record import MAX_STATE_BYTES, CommitRecord, FileEntry, check_digest, loads_bounded
 from .safe_metadata import MAX_METADATA_BYTES, safe_load_metadata
+from .sharded import whole_at_one_rank
 from .staging import Stager, local_shard
 from .state import MADE_PLAIN, CheckpointMismatchError, LoadPlan, SavedTensor, _dtensor, flatten_tensors
 
@@ -422,25 +423,36 @@ def bounced(plan: LoadPlan, budget: int | None = None) -> tuple[LoadPlan, HostCo
     transposed parameter), cannot be read into in place, so every load into one went to DCP's
     reader (every load on a GPU machine; about 0.7x DCP's speed at one rank of a CUDA FSDP2 mesh,
     measured on an H200). Here such destinations are replaced by new contiguous host tensors of
-    the same shape and dtype (under the same sharding spec for a DTensor); the readers fill and
-    check those, and :meth:`HostCopies.copy_in` copies them in afterwards, so a failed read
+    the same shape and dtype (under the same sharding spec for a DTensor; as a plain tensor for
+    one that holds its whole tensor, :func:`~ckptkeeper.engine.sharded.whole_at_one_rank`); the
+    readers fill and check those, and :meth:`HostCopies.copy_in` copies them in afterwards, so a failed read
     leaves the destinations untouched. It costs one host copy of those tensors while the load
     runs, which must fit ``budget`` bytes (the staging budget); without any such destination, or
     over the budget, ``plan`` itself comes back (and DCP's reader reads it).
+
+    A DTensor that holds its whole tensor and can be read into in place is replaced by its local
+    tensor, with no copy: the single-process reader, which takes plain tensors only, then reads a
+    one-rank DTensor state (FSDP2 on one GPU) in place.
     """
     names: list[str] = []
     dests: list[torch.Tensor] = []
     copies: list[torch.Tensor] = []
     swapped: dict[int, torch.Tensor] = {}  # id of the plan's tensor: the one the readers fill
 
-    def host(name: str, t: torch.Tensor, local: torch.Tensor) -> None:
+    def host(name: str, t: torch.Tensor) -> None:
         if id(t) in swapped:
             return  # one tensor under two names (tied weights): one host tensor, copied in once
+        whole = whole_at_one_rank(t)
+        local = _needs_host_copy(t)
+        if local is None:
+            if whole is not None and _needs_host_copy(whole) is None and not whole.is_inference():
+                swapped[id(t)] = whole  # read in place, as the plain tensor it is at one rank
+            return
         buf = torch.empty(local.shape, dtype=local.dtype, device="cpu")
         names.append(name)
         dests.append(local.detach() if local.requires_grad else local)
         copies.append(buf)
-        swapped[id(t)] = _dtensor(buf, t._spec) if type(t) is DTensor else buf
+        swapped[id(t)] = _dtensor(buf, t._spec) if type(t) is DTensor and whole is None else buf
 
     if plan.flat is not None:
         # From the flat list, not the tree (a walk of the tree costs a 10,000-tensor load
@@ -449,21 +461,15 @@ def bounced(plan: LoadPlan, budget: int | None = None) -> tuple[LoadPlan, HostCo
         twinned = []
         for key, t, twin in plan.flat:
             if twin is None:
-                local = _needs_host_copy(t)
-                if local is not None:
-                    host(key, t, local)
+                host(key, t)
             elif twin is not MADE_PLAIN:
                 twinned.append((key, t))
         if swapped:
             for key, t in twinned:
-                local = _needs_host_copy(t)
-                if local is not None:
-                    host(key, t, local)
+                host(key, t)
     else:
         for key, t in flatten_tensors(plan.tensors):
-            local = _needs_host_copy(t)
-            if local is not None:
-                host(key, t, local)
+            host(key, t)
     if not swapped or (budget is not None and sum(c.nbytes for c in copies) > budget):
         return plan, HostCopies([], [], [])
 

@@ -63,6 +63,7 @@ from .sharded import (
     plan_shard,
     recheck_shard,
     shard_name,
+    whole_at_one_rank,
     write_shard,
 )
 from .staging import local_shard
@@ -264,14 +265,8 @@ def write_checkpoint(
             os.makedirs(os.path.join(work, MODEL_DIR), exist_ok=True)
         if rank == 0:
             commit.prepare(final)
-        if settings.writer != "auto":
+        if world == 1 or settings.writer != "auto":
             return None
-        if world == 1:
-            # One process: plain CPU tensors take the single-process writer; a state of DTensors
-            # (FSDP2 at one rank) takes the per-rank writer, which went to DCP's before.
-            single_leaves.append(walk(tensors))
-            if not any(type(v) is DTensor for _, _, v in single_leaves[0]):
-                return None
         found = plan_shard(tensors, rank, world, settings.memo, eager=settings.on_stage is not None)
         if found is None:
             return None
@@ -321,7 +316,9 @@ def write_checkpoint(
             my_layout.append((layout, whole_sums))
             return
         with translate_os_error(work):
-            leaves = single_leaves[0] if single_leaves else None
+            leaves = walk(tensors) if world == 1 and settings.writer == "auto" else None
+            if leaves is not None:
+                leaves = _one_rank_locals(leaves)
             model_dir = os.path.join(work, MODEL_DIR)
             out: tuple[dict[str, FileEntry], list[Segment]] | None = None
             if leaves is not None and can_use_fast_path(leaves):
@@ -378,7 +375,6 @@ def write_checkpoint(
             commit.publish(work, final, record)
 
     shard: list[ShardPlan] = []
-    single_leaves: list[Leaves] = []  # one process: the tree's leaves, walked once in prepare()
     sharded = False
     dcp_tree: list[dict[str, Any]] = []  # what DCP's writer is given, once check_for_dcp made and checked it
     my_layout: list[tuple[ShardLayout, tuple[str, ...]]] = []
@@ -389,7 +385,7 @@ def write_checkpoint(
         signatures = agree(prepare, step, pg)
         # Every rank takes the same path: the per-rank fast writer only where all ranks can, and
         # with the same replicated tensors (their writers are chosen from that list).
-        sharded = signatures[0] is not None and len(set(signatures)) == 1
+        sharded = world > 1 and signatures[0] is not None and len(set(signatures)) == 1
         stage = "writing tensors"
         if world > 1 and not sharded:
             agree(check_for_dcp, step, pg)
@@ -459,6 +455,21 @@ def write_checkpoint(
     )
     retries = getattr(storage, "retries", 0) - retries_before
     return SaveResult(step, final, ephemeral, total, elapsed, elapsed, len(files), retries)
+
+
+def _one_rank_locals(leaves: Leaves) -> Leaves:
+    """``leaves`` with each DTensor that holds its whole tensor (see
+    :func:`~ckptkeeper.engine.sharded.whole_at_one_rank`) replaced by its local tensor: a DTensor
+    state in one process (FSDP2 on one GPU) went to DCP's writer (and its loads to DCP's reader,
+    0.65x DCP's own speed on an H200). The per-rank writer would take it too, but its format at
+    one rank is one the single-process reader of earlier versions calls corrupt."""
+    if not any(type(v) is DTensor for _, _, v in leaves):
+        return leaves
+    out: Leaves = []
+    for name, path, v in leaves:
+        whole = whole_at_one_rank(v)
+        out.append((name, path, v if whole is None else whole))
+    return out
 
 
 def _gather_layouts(

@@ -224,6 +224,19 @@ def _plain_placements(placements: Any) -> bool:
 _STRIDED = torch.strided
 
 
+def whole_at_one_rank(t: Any) -> torch.Tensor | None:
+    """A DTensor's local tensor when it holds the whole tensor (a one-rank mesh, Shard or Replicate
+    placements), else None: in one process such a tensor is saved and loaded as that plain tensor,
+    in the single-process format (so a DTensor state at one rank, FSDP2 on one GPU, takes the
+    single-process fast path, and any reader of that format, older ones included, reads it)."""
+    if type(t) is not DTensor:
+        return None
+    local: torch.Tensor = t._local_tensor
+    if local.shape != t.shape or t.device_mesh.size() != 1 or not _plain_placements(t.placements):
+        return None
+    return local
+
+
 def _region(value: Any, world: int) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
     """(local data, global offsets, global shape) of a leaf; None when this path cannot take it."""
     if isinstance(value, DTensor):
@@ -269,7 +282,8 @@ def _box(value: DTensor, world: int) -> tuple[tuple[int, ...], tuple[int, ...], 
 def _usable(t: torch.Tensor) -> bool:
     # is_cpu rather than device.type: a device object per look costs a microsecond, per tensor per load.
     # The layout, not is_sparse alone: a sparse CSR tensor is not "sparse" to torch, and has no
-    # is_contiguous() (its save failed with torch's words); DCP's path refuses it by name.
+    # is_contiguous() to ask (a save that let one through failed with torch's words); DCP's path
+    # refuses it by name.
     return t.is_cpu and t.layout is _STRIDED and not t.is_quantized
 
 
