@@ -205,3 +205,27 @@ def _restore_levels(levels: dict[str, int]) -> None:
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
         if isinstance(logger, logging.Logger):
             logger.setLevel(levels.get(name, logging.NOTSET))
+
+
+def load_readers(records: Sequence[logging.LogRecord]) -> list[Any]:
+    """How each load among ``records`` (``caplog.records``) read its tensors: "fast", "pieces" or
+    "dcp", from the event the ``ckptkeeper.metrics`` logger gets per load (log it at INFO)."""
+    return [
+        r.ckptkeeper_event["reader"]  # type: ignore[attr-defined]
+        for r in records
+        if getattr(r, "ckptkeeper_event", {}).get("event") == "load"
+    ]
+
+
+class Picky:
+    """An extra whose load_state_dict raises a raw KeyError on a state saved under another key:
+    a load then fails after the tensors went in, and must put everything back."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.value = key, 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: self.value}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd[self.key]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -15,6 +14,8 @@ from torch import nn
 
 from ckptkeeper import Checkpointer, TrainingState, state_digest
 from ckptkeeper.errors import CheckpointMismatchError, CorruptCheckpointError
+
+from ..helpers import Picky, load_readers
 
 
 def _transposed(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -36,14 +37,6 @@ def _stepped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _reader(caplog: pytest.LogCaptureFixture) -> list[Any]:
-    return [
-        r.ckptkeeper_event["reader"]  # type: ignore[attr-defined]
-        for r in caplog.records
-        if getattr(r, "ckptkeeper_event", {}).get("event") == "load"
-    ]
-
-
 def test_a_non_contiguous_parameter_loads_through_the_fast_reader_in_its_own_memory(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -54,7 +47,7 @@ def test_a_non_contiguous_parameter_loads_through_the_fast_reader_in_its_own_mem
     weight, strides, at = back[0].weight, back[0].weight.stride(), back[0].weight.data_ptr()
     caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
     Checkpointer().load(path, TrainingState(back, back_opt))
-    assert _reader(caplog) == ["fast"]  # was DCP's reader, for one non-contiguous parameter
+    assert load_readers(caplog.records) == ["fast"]  # was DCP's reader, for one non-contiguous parameter
     assert state_digest(back, back_opt) == want
     # Loaded into the parameter itself: same object, same memory, same layout.
     assert back[0].weight is weight and weight.stride() == strides and weight.data_ptr() == at
@@ -75,27 +68,14 @@ def test_a_damaged_checkpoint_leaves_a_non_contiguous_parameter_as_it_was(tmp_pa
     assert state_digest(back, back_opt) == before
 
 
-class _Picky:
-    """An extra that refuses a state saved under another key: the load fails after the tensors are in."""
-
-    def __init__(self, key: str) -> None:
-        self.key, self.value = key, 1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {self.key: self.value}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.value = sd[self.key]
-
-
 def test_a_load_that_fails_after_the_copies_went_in_puts_a_non_contiguous_parameter_back(tmp_path: Path) -> None:
     model, opt = _stepped(0)
-    path = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt, extra={"p": _Picky("a")})).path
+    path = Checkpointer().save(str(tmp_path), 1, TrainingState(model, opt, extra={"p": Picky("a")})).path
     back, back_opt = _stepped(1)
     before = state_digest(back, back_opt)
     weight = back[0].weight.detach().clone()
     with pytest.raises(CheckpointMismatchError, match="KeyError"):
-        Checkpointer().load(path, TrainingState(back, back_opt, extra={"p": _Picky("b")}))
+        Checkpointer().load(path, TrainingState(back, back_opt, extra={"p": Picky("b")}))
     assert torch.equal(back[0].weight, weight) and not back[0].weight.is_contiguous()
     assert state_digest(back, back_opt) == before
 
@@ -118,7 +98,7 @@ def test_a_non_contiguous_inference_tensor_is_still_loaded_by_dcps_reader(
         into = _buffer_module(1)
     caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
     Checkpointer().load(path, TrainingState(into))
-    assert _reader(caplog) == ["dcp"]
+    assert load_readers(caplog.records) == ["dcp"]
     assert torch.equal(into.w, saved.w)
 
 
@@ -135,5 +115,5 @@ def test_host_copies_that_would_exceed_the_staging_budget_are_not_made(
         caplog.clear()
         back, back_opt = _stepped(1)
         Checkpointer(staging_budget_bytes=budget).load(path, TrainingState(back, back_opt))
-        assert _reader(caplog) == [reader], budget
+        assert load_readers(caplog.records) == [reader], budget
         assert state_digest(back, back_opt) == want

@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ckptkeeper import Checkpointer, TrainingState, state_digest
 
+from ..helpers import load_readers
+
 
 def _sharded(mesh: DeviceMesh, seed: int, step: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
@@ -37,14 +39,6 @@ def _sharded(mesh: DeviceMesh, seed: int, step: bool = True) -> tuple[nn.Module,
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model, opt
-
-
-def _readers(caplog: pytest.LogCaptureFixture) -> list[Any]:
-    return [
-        r.ckptkeeper_event["reader"]  # type: ignore[attr-defined]
-        for r in caplog.records
-        if getattr(r, "ckptkeeper_event", {}).get("event") == "load"
-    ]
 
 
 def _tables(path: str) -> list[str]:
@@ -67,7 +61,7 @@ def test_fsdp2_at_one_rank_saves_and_loads_through_the_fast_path(
     caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
     back, back_opt = _sharded(mesh, 1, step=False)
     ckpt.load(path, TrainingState(back, back_opt))
-    assert _readers(caplog) == ["fast"]
+    assert load_readers(caplog.records) == ["fast"]
     assert state_digest(back, back_opt) == want
     # Into a plain model and optimizer, in the same process: the same values.
     torch.manual_seed(2)
@@ -115,7 +109,7 @@ def test_a_one_rank_dtensor_checkpoint_written_by_dcp_still_loads(
     caplog.set_level(logging.INFO, logger="ckptkeeper.metrics")
     back, back_opt = _sharded(mesh, 1, step=False)
     Checkpointer().load(path, TrainingState(back, back_opt))
-    assert _readers(caplog) == ["dcp"]
+    assert load_readers(caplog.records) == ["dcp"]
     assert state_digest(back, back_opt) == state_digest(model, opt)
 
 

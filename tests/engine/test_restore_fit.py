@@ -22,7 +22,7 @@ from torch import nn
 from ckptkeeper import Checkpointer, CheckpointError, ConfigurationError, TrainingState, state_digest
 from ckptkeeper.engine.state import CheckpointMismatchError
 
-from ..helpers import stepped_linear
+from ..helpers import Picky, stepped_linear
 
 Step = Callable[[TrainingState, int], None]
 
@@ -393,23 +393,10 @@ def test_a_shape_mismatch_names_the_key_both_shapes_and_the_fix(tmp_path: Path) 
     assert model[2].bias in st.optimizer.state
 
 
-class _Picky:
-    """An extra whose load_state_dict raises a raw KeyError on a foreign state."""
-
-    def __init__(self, key: str) -> None:
-        self.key, self.value = key, 1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {self.key: self.value}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.value = sd[self.key]
-
-
 def test_no_raw_torch_error_escapes_a_load_and_a_failed_load_changes_nothing(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = _mlp(6, 8, 3)
-    st = TrainingState(model, torch.optim.AdamW(model.parameters(), lr=1e-2), extra={"p": _Picky("a")})
+    st = TrainingState(model, torch.optim.AdamW(model.parameters(), lr=1e-2), extra={"p": Picky("a")})
     _plain_step(st, 0)
     Checkpointer().save(str(tmp_path), 1, st)
     path = str(tmp_path / "step1")
@@ -420,7 +407,7 @@ def test_no_raw_torch_error_escapes_a_load_and_a_failed_load_changes_nothing(tmp
         _plain_step(TrainingState(m, torch.optim.SGD(m.parameters(), lr=0.1)), 5)  # other weights
         params = list(m.parameters())
         opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}] if groups == 2 else params)
-        st = TrainingState(m, opt, extra={"p": extra or _Picky("a")})
+        st = TrainingState(m, opt, extra={"p": extra or Picky("a")})
         _plain_step(st, 6)
         return st
 
@@ -432,7 +419,7 @@ def test_no_raw_torch_error_escapes_a_load_and_a_failed_load_changes_nothing(tmp
     assert _snapshot(st2) == before
 
     # An extra that cannot take the saved state: raised after model and optimizer were loaded, all undone.
-    st3 = fresh(extra=_Picky("b"))
+    st3 = fresh(extra=Picky("b"))
     before = _snapshot(st3)
     opt_state_before = st3.optimizer.state if st3.optimizer else None
     with pytest.raises(CheckpointMismatchError, match="KeyError") as info:
@@ -443,7 +430,7 @@ def test_no_raw_torch_error_escapes_a_load_and_a_failed_load_changes_nothing(tmp
     # An extra named here but absent from the checkpoint.
     torch.manual_seed(1)
     m = _mlp(6, 8, 3)
-    st4 = TrainingState(m, torch.optim.AdamW(m.parameters()), extra={"p": _Picky("a"), "q": _Picky("a")})
+    st4 = TrainingState(m, torch.optim.AdamW(m.parameters()), extra={"p": Picky("a"), "q": Picky("a")})
     with pytest.raises(CheckpointMismatchError, match=r"extra\.q"):
         Checkpointer().load(path, st4)
 
