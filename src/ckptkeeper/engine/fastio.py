@@ -325,12 +325,24 @@ def _leaves(tree: Mapping[str, Any]) -> Leaves:
 _STRIDED = torch.strided
 
 
+_PARAMETER = torch.nn.Parameter
+
+
+def is_plain_kind(kind: type) -> bool:
+    """Whether tensors of class ``kind`` hold their own plain memory: ``torch.Tensor``, ``nn.Parameter``
+    and subclasses of it. Not ``isinstance(v, nn.Parameter)``, which is also true of a tensor
+    subclass held as a parameter (every FSDP2 parameter is a DTensor that isinstance() calls a
+    Parameter): such a wrapper has no memory of its own, and the fast writer and reader, given one,
+    crashed the process (found by an outside attack)."""
+    return kind is torch.Tensor or kind is _PARAMETER or issubclass(kind, _PARAMETER)
+
+
 def can_use_fast_path(tree: Mapping[str, Any] | Leaves, loading: bool = False) -> bool:
     """Whether every leaf is a plain CPU tensor (no DTensor, no GPU tensor, no other object); to
     load into, also contiguous (its bytes are read straight into its memory)."""
     for _, _, v in walk(tree):
         # Cheap properties only (``v.device`` makes an object per call): this runs per tensor per load.
-        if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
+        if not is_plain_kind(type(v)):
             return False
         # Any layout but strided (sparse CSR and the rest too) goes to DCP's path, which refuses it by name.
         if not v.is_cpu or v.layout is not _STRIDED or v.is_quantized:
