@@ -228,7 +228,8 @@ def test_dtensor_parameters_without_an_optimizer_round_trip_in_one_process(tmp_p
         timeout=120,
     )  # fmt: skip
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
-    if case == "partial":  # a partial sum is not a tensor's value: DCP's writer refuses it, by its placement
-        assert "refused:" in child.stdout and "partial placements" in child.stdout, child.stdout
+    if case == "partial":  # a partial sum is not a tensor's value: refused, with the tensor and the fix named
+        assert "refused:" in child.stdout and "w is a DTensor with a Partial placement" in child.stdout, child.stdout
+        assert "redistribute(placements=[Replicate()])" in child.stdout
     else:
         assert child.stdout.split()[-1] == "True", child.stdout

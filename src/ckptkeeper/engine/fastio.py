@@ -275,6 +275,12 @@ def check_plain(tree: Mapping[str, Any] | Leaves) -> None:
                 f"{fqn[:200]!r} is a {type(value).__name__} (a tensor subclass), which cannot be saved without "
                 "pickling its class; save a plain tensor instead (value.as_subclass(torch.Tensor))"
             )
+        if type(value) is DTensor and any(p.is_partial() for p in value.placements):
+            # DCP's own refusal names neither the tensor nor the fix.
+            raise ConfigurationError(
+                f"{fqn[:200]} is a DTensor with a Partial placement (a sum still pending across ranks, not its "
+                "value), which a checkpoint cannot store; save it reduced: value.redistribute(placements=[Replicate()])"
+            )
         if isinstance(value, torch.Tensor) and type(value) is not ShardedTensor:
             refuse_unsaveable(fqn, value)
 
