@@ -297,6 +297,74 @@ class _Sub(torch.Tensor):
     pass
 
 
+_WRAPPER_PARAMETER_CHILD = r"""
+import sys, torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from ckptkeeper import Checkpointer, TrainingState
+
+class Wrapped(nn.Parameter):
+    # A Parameter subclass with no memory of its own: its values live in .inner.
+    @staticmethod
+    def __new__(cls, inner, requires_grad=True):
+        r = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device,
+                                                strides=inner.stride(), requires_grad=requires_grad)
+        r.inner = inner
+        return r
+    def __init__(self, *args, **kwargs):
+        pass
+    def __tensor_flatten__(self):
+        return ["inner"], None
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Wrapped(inner["inner"])
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, Wrapped) else x
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func is torch.ops.aten.copy_.default:
+            return args[0]
+        return tree_map(lambda x: Wrapped(x, requires_grad=False) if type(x) is torch.Tensor else x, out)
+
+case, folder = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+plain = nn.Linear(8, 8, bias=False)
+wrapped = nn.Linear(8, 8, bias=False)
+wrapped.weight = Wrapped(torch.zeros(8, 8))
+if case == "save":
+    try:
+        Checkpointer().save(folder, 1, TrainingState(wrapped))
+    except Exception as exc:
+        print("refused:", exc)
+else:
+    path = Checkpointer().save(folder, 1, TrainingState(plain)).path
+    Checkpointer().load(path, TrainingState(wrapped))
+    print(torch.equal(wrapped.weight.inner, plain.weight.detach()))
+"""
+
+
+@pytest.mark.parametrize("case", ["save", "load"])
+def test_a_parameter_subclass_without_memory_of_its_own_never_reaches_the_fast_path(tmp_path: Path, case: str) -> None:
+    # Found by an outside attack: a wrapper subclass of nn.Parameter (its values held elsewhere,
+    # as DTensor and quantized-tensor libraries do) passed for a plain parameter, so the fast
+    # writer read memory at address 0 (a segmentation fault) and the fast reader called a good
+    # checkpoint corrupt ("Bad address"). It is refused by name on save, and DCP's reader fills it.
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), *sys.path])}
+    child = subprocess.run(
+        [sys.executable, "-c", _WRAPPER_PARAMETER_CHILD, case, str(tmp_path)], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    if case == "save":
+        assert "refused:" in child.stdout and "'model.weight' is a Wrapped (a tensor subclass)" in child.stdout
+        assert not [p for p in os.listdir(tmp_path) if p.startswith("step")]
+    else:
+        assert child.stdout.split()[-1] == "True", child.stdout
+
+
 def test_a_tensor_subclass_is_refused_at_save_time_not_after(tmp_path: Path) -> None:
     # Found by an outside attack: DCP pickled the subclass, the checkpoint verified, and every load
     # (pickle-free) refused it.

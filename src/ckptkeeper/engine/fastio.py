@@ -332,15 +332,21 @@ _STRIDED = torch.strided
 
 
 _PARAMETER = torch.nn.Parameter
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
-def is_plain_kind(kind: type) -> bool:
-    """Whether tensors of class ``kind`` hold their own plain memory: ``torch.Tensor``, ``nn.Parameter``
-    and subclasses of it. Not ``isinstance(v, nn.Parameter)``, which is also true of a tensor
-    subclass held as a parameter (every FSDP2 parameter is a DTensor that isinstance() calls a
-    Parameter): such a wrapper has no memory of its own, and the fast writer and reader, given one,
-    crashed the process (found by an outside attack)."""
-    return kind is torch.Tensor or kind is _PARAMETER or issubclass(kind, _PARAMETER)
+def is_plain(v: Any) -> bool:
+    """Whether ``v`` is a tensor the fast writer and reader take: a ``torch.Tensor``, an
+    ``nn.Parameter``, or another tensor ``isinstance()`` calls a parameter whose class does not
+    override ``__torch_dispatch__``. A class that does is a wrapper with no memory of its own
+    (every FSDP2 parameter is a DTensor that ``isinstance()`` calls a Parameter, and so is a
+    wrapper subclass of ``nn.Parameter``): given one, the fast writer and reader crashed the
+    process or called a good checkpoint corrupt (found by outside attacks). Subclasses that only
+    add Python behaviour (``as_subclass``) keep plain memory and the default dispatch."""
+    kind = type(v)
+    if kind is torch.Tensor or kind is _PARAMETER:
+        return True
+    return isinstance(v, _PARAMETER) and kind.__torch_dispatch__ is _PLAIN_DISPATCH
 
 
 def can_use_fast_path(tree: Mapping[str, Any] | Leaves, loading: bool = False) -> bool:
@@ -348,7 +354,7 @@ def can_use_fast_path(tree: Mapping[str, Any] | Leaves, loading: bool = False) -
     load into, also contiguous (its bytes are read straight into its memory)."""
     for _, _, v in walk(tree):
         # Cheap properties only (``v.device`` makes an object per call): this runs per tensor per load.
-        if not is_plain_kind(type(v)):
+        if not is_plain(v):
             return False
         # Any layout but strided (sparse CSR and the rest too) goes to DCP's path, which refuses it by name.
         if not v.is_cpu or v.layout is not _STRIDED or v.is_quantized:

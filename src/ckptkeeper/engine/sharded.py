@@ -72,7 +72,7 @@ from .fastio import (
     dumps_metadata,
     exact,
     fetch_and_place,
-    is_plain_kind,
+    is_plain,
     parse_layout,
     pread_full,
     preadv_full,
@@ -259,7 +259,7 @@ def _region(value: Any, world: int) -> tuple[torch.Tensor, tuple[int, ...], tupl
         if found is _NO_BOX or tuple(local.shape) != found[0]:
             return None
         return local, found[1], found[2]
-    if not is_plain_kind(type(value)):
+    if not is_plain(value):
         return None
     return value, (0,) * value.dim(), tuple(int(n) for n in value.shape)
 
