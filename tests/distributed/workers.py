@@ -823,6 +823,8 @@ def unsaveable_extra_on_one_rank(
             t.untyped_storage().resize_(8)
         elif kind == "meta":
             t = torch.empty(8, device="meta")
+        elif kind == "nested":
+            t = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     box = _Box(t)
     st = TrainingState(nn.Linear(2, 2), extra={"b": box})
     ckpt = Checkpointer(writer=writer)  # type: ignore[arg-type]

@@ -259,8 +259,8 @@ def _region(value: Any, world: int) -> tuple[torch.Tensor, tuple[int, ...], tupl
         if found is _NO_BOX or tuple(local.shape) != found[0]:
             return None
         return local, found[1], found[2]
-    if not is_plain(value):
-        return None
+    if not is_plain(value) or value.is_nested:
+        return None  # (a nested tensor has no shape to ask: DCP's path refuses it by name)
     return value, (0,) * value.dim(), tuple(int(n) for n in value.shape)
 
 
