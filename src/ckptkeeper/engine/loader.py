@@ -438,11 +438,12 @@ def bounced(plan: LoadPlan, budget: int | None = None) -> tuple[LoadPlan, HostCo
     dests: list[torch.Tensor] = []
     copies: list[torch.Tensor] = []
     swapped: dict[int, torch.Tensor] = {}  # id of the plan's tensor: the one the readers fill
+    meshes: dict[int, bool] = {}  # for whole_at_one_rank
 
     def host(name: str, t: torch.Tensor) -> None:
         if id(t) in swapped:
             return  # one tensor under two names (tied weights): one host tensor, copied in once
-        whole = whole_at_one_rank(t)
+        whole = whole_at_one_rank(t, meshes)
         local = _needs_host_copy(t)
         if local is None:
             if whole is not None and _needs_host_copy(whole) is None and not whole.is_inference():

@@ -466,8 +466,9 @@ def _one_rank_locals(leaves: Leaves) -> Leaves:
     if not any(type(v) is DTensor for _, _, v in leaves):
         return leaves
     out: Leaves = []
+    meshes: dict[int, bool] = {}
     for name, path, v in leaves:
-        whole = whole_at_one_rank(v)
+        whole = whole_at_one_rank(v, meshes)
         out.append((name, path, v if whole is None else whole))
     return out
 

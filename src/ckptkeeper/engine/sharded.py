@@ -225,15 +225,28 @@ def _plain_placements(placements: Any) -> bool:
 _STRIDED = torch.strided
 
 
-def whole_at_one_rank(t: Any) -> torch.Tensor | None:
+def whole_at_one_rank(t: Any, meshes: dict[int, bool] | None = None) -> torch.Tensor | None:
     """A DTensor's local tensor when it holds the whole tensor (a one-rank mesh, Shard or Replicate
     placements), else None: in one process such a tensor is saved and loaded as that plain tensor,
     in the single-process format (so a DTensor state at one rank, FSDP2 on one GPU, takes the
-    single-process fast path, and any reader of that format, older ones included, reads it)."""
+    single-process fast path, and any reader of that format, older ones included, reads it).
+
+    ``meshes``: the answers for meshes already asked, by ``id`` (the caller holds the tensors, so
+    their meshes and ids stay): a mesh's size costs ~2 us a look, 7,500 looks per 10,000 tensors.
+    """
     if type(t) is not DTensor:
         return None
     local: torch.Tensor = t._local_tensor
-    if local.shape != t.shape or t.device_mesh.size() != 1 or not _plain_placements(t.placements):
+    if local.shape != t.shape:
+        return None
+    spec = t._spec
+    mesh = spec.mesh
+    one = meshes.get(id(mesh)) if meshes is not None else None
+    if one is None:
+        one = mesh.size() == 1
+        if meshes is not None:
+            meshes[id(mesh)] = one
+    if not one or not _plain_placements(spec.placements):
         return None
     return local
 
