@@ -365,16 +365,48 @@ def _names_of(model: nn.Module) -> dict[str, str] | None:
             for (name, ref, cls), (n, m) in zip(kept[0], modules, strict=True)
         )
     ):
-        renamers = _renaming_kinds()
-        same: dict[str, str] = _SameNames() if renamers and not any(isinstance(m, renamers) for _, m in modules) else {}
+        paths = _plain_paths(model)
+        same: dict[str, str] = {} if paths is None else _SameNames(paths)
         kept = _NAMES[model] = ([(n, weakref.ref(m), type(m)) for n, m in modules], same)
     return kept[1]
 
 
 class _SameNames(dict[str, str]):
-    """The kept names of a model none of whose modules drops its part of a name (no DDP, FSDP1
-    or compiled module, no ``_fqn_modifiers``): every name is its own checkpoint name, unless it
-    holds activation checkpointing's part, which :func:`_canonical_fqn` then asks DCP about."""
+    """The kept names of a model where no module drops its part of a name (see
+    :func:`_plain_paths`): the names in ``paths`` are their own checkpoint names, unless they hold
+    activation checkpointing's part; :func:`_canonical_fqn` asks DCP about every other name."""
+
+    def __init__(self, paths: frozenset[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+
+def _plain_paths(model: nn.Module) -> frozenset[str] | None:
+    """The attribute paths of ``model``'s parameters and buffers, when DCP's name helper would give
+    each back as it is: no module is DDP, FSDP1 or compiled (the helper drops their parts) or has
+    ``_fqn_modifiers`` (even through ``__getattr__``), and no key holds a dot (the helper splits
+    names on dots). The modules are walked through their own ``_modules``, not ``named_modules()``,
+    which a module may replace with a list that leaves one of those out (found by an outside
+    attack). None otherwise: every name is asked of the helper, as before."""
+    renamers = _renaming_kinds()
+    if not renamers:
+        return None
+    paths: set[str] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    visits = 0
+    while stack:
+        prefix, m = stack.pop()
+        visits += 1
+        if visits > 1 << 20:
+            return None  # (a module graph with a cycle: nothing is taken for granted)
+        if isinstance(m, renamers) or hasattr(m, "_fqn_modifiers"):
+            return None
+        for key in (*m._parameters, *m._buffers, *m._modules):
+            if "." in key:
+                return None
+        paths.update(f"{prefix}{key}" for key in (*m._parameters, *m._buffers))
+        stack.extend((f"{prefix}{key}.", c) for key, c in m._modules.items() if c is not None)
+    return frozenset(paths)
 
 
 def _renaming_kinds() -> tuple[type, ...]:
@@ -398,7 +430,7 @@ def _canonical_fqn(model: nn.Module, name: str, names: dict[str, str] | None = N
     found = names.get(name) if names is not None else None
     if found is not None:
         return found
-    if type(names) is _SameNames and _CHECKPOINT_PART not in name:
+    if type(names) is _SameNames and name in names.paths and _CHECKPOINT_PART not in name:
         # No module on any path renames (a walk of thousands of names cost a fresh model's
         # load 18 ms of its 250 ms of CPU at 2,500 parameters).
         return name
