@@ -446,7 +446,9 @@ def bounced(plan: LoadPlan, budget: int | None = None) -> tuple[LoadPlan, HostCo
         whole = whole_at_one_rank(t, meshes)
         local = _needs_host_copy(t)
         if local is None:
-            if whole is not None and _needs_host_copy(whole) is None and not whole.is_inference():
+            # (``whole`` is the local tensor just looked at: on the CPU and contiguous, or one the
+            # fast readers refuse, which sends the load to DCP's reader all the same.)
+            if whole is not None and not whole.is_inference():
                 swapped[id(t)] = whole  # read in place, as the plain tensor it is at one rank
             return
         buf = torch.empty(local.shape, dtype=local.dtype, device="cpu")

@@ -196,7 +196,7 @@ def _load_verified(
         # it cannot fill (on a GPU, say), copied in once every byte is read and checked. Tried
         # second so that a load with none pays nothing for the look (a pass over every tensor).
         # What the readers fill is kept in prep; DCP's reader, if taken, reads into ``plan``.
-        prep.update(bounced_from=plan, into=plan, copies=HostCopies([], [], []))
+        prep.update(into=plan, copies=HostCopies([], [], []))
         found = fits(plan)
         if found is None:
             into, copies = bounced(plan, ck.staging_budget_bytes)
@@ -361,10 +361,9 @@ def _load_verified(
         raise _NeedsDownload()
     mode = modes[rank] if len(set(modes)) == 1 else "dcp"
     doc, plan = prep["doc"], prep["plan"]
-    # Host copies are only made for the fast readers; DCP's reads into the destinations themselves.
-    copies: HostCopies = (
-        prep["copies"] if mode != "dcp" and prep.get("bounced_from") is plan else HostCopies([], [], [])
-    )
+    # Host copies are only made for the fast readers (whose planning, in prepare(), was the last
+    # to see the plan); DCP's reads into the destinations themselves.
+    copies: HostCopies = prep["copies"] if mode != "dcp" else HostCopies([], [], [])
 
     def copy_in() -> None:
         if copies.names:

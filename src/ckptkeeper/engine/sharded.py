@@ -59,6 +59,7 @@ from ..storage.base import Upload
 from ..storage.layout import MODEL_DIR
 from .fastio import (
     _SMALL_PIECE,
+    _STRIDED,
     Leaves,
     Segment,
     _borrowed_view,
@@ -220,9 +221,6 @@ def _plain_placements(placements: Any) -> bool:
     # Strided shards (FSDP over TP) and partial sums have offsets DCP's metadata cannot express
     # as one box per rank, or need a reduction first: DCP's own writer handles those.
     return all(type(p) in (Shard, Replicate) for p in placements)
-
-
-_STRIDED = torch.strided
 
 
 def whole_at_one_rank(t: Any, meshes: dict[int, bool] | None = None) -> torch.Tensor | None:
