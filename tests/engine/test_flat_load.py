@@ -214,7 +214,8 @@ def _reads(tmp_path: Path, rank: int) -> tuple[list[FlatRead], dict[str, torch.T
     flat = flat_index(tables[own], own, index, 2, sizes)
     dests = {fqn: torch.full_like(_local(fqn, rank), 5) for fqn in _tensors()}
     reads = sorted(
-        FlatRead(*flat.spots[fqn][:2], i, *flat.spots[fqn][2:], fqn, t) for i, (fqn, t) in enumerate(dests.items())
+        FlatRead(*flat.spots[fqn][:2], i, *flat.spots[fqn][2:], fqn, t, False)
+        for i, (fqn, t) in enumerate(dests.items())
     )
     return reads, dests
 
@@ -241,10 +242,15 @@ def test_reads_fill_every_destination_exactly_with_backups_first(tmp_path: Path,
     assert sorted(backed) == sorted(set(_tensors()) - {"big"})
 
 
-def test_destinations_sharing_memory_are_read_through_a_buffer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("others_fresh", [False, True])
+def test_destinations_sharing_memory_are_read_through_a_buffer(tmp_path: Path, others_fresh: bool) -> None:
     reads, dests = _reads(tmp_path, 0)
     shared = dests["w1"]  # w2 is read into w1's memory too: each piece is checked before its copy
     reads = [r._replace(dest=shared) if r.fqn == "w2" else r for r in reads]
+    if others_fresh:
+        # Tensors the plan made itself are left out of the overlap check: the two live ones that
+        # share memory are still found.
+        reads = [r if r.fqn in ("w1", "w2") else r._replace(fresh=True) for r in reads]
     backed: list[str] = []
     read_flat(LocalSource(str(tmp_path / "model_and_optim")), reads, True, 2, None, backed.extend)
     assert torch.equal(shared, _local("w2", 0))  # the later piece in file order, as copies land
@@ -462,3 +468,18 @@ def test_the_twins_a_plan_gives_tell_the_truth_about_the_tensors_it_made(case: s
     slots = sum(1 for key, _, _ in plan.flat if key.startswith("optim."))
     untwinned = {"quantized slot": 1}.get(case, 0)
     assert twinned == slots - untwinned > 0
+    # A twin also says the tensor is new memory (read_flat's overlap check leaves it out): none
+    # shares a byte with another destination or with the optimizer's state as it was.
+    from ckptkeeper.engine.fastio import overlapping_spans
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    live = [(f"old {i}", t) for i, t in enumerate(x for s in opt.state.values() for x in s.values())]
+    spans = [
+        (local(t).data_ptr(), local(t).data_ptr() + local(t).nbytes, key)
+        for key, t in [*((k, t) for k, t, _ in plan.flat), *live]
+        if local(t).nbytes and not local(t).is_meta
+    ]
+    made = {key for key, _, twin in plan.flat if twin is not None}
+    assert made and not overlapping_spans(spans) & made

@@ -87,6 +87,9 @@ class FlatRead(NamedTuple):
     fqn: str
     dest: torch.Tensor
     """The destination's local data (contiguous, on the CPU)."""
+    fresh: bool
+    """Made by the load's plan (see :data:`~ckptkeeper.engine.state.FlatLeaf`): new memory, which
+    overlaps no other destination's, so the overlap check leaves it out."""
 
 
 class NotPlaced(Exception):
@@ -158,7 +161,8 @@ def plan_flat(
     # were made, and are only placed (the checks were a third of this function at 10,000 tensors).
     passed: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}
     for order, (fqn, value, twin) in enumerate(leaves):
-        if twin is not None:
+        fresh = twin is not None
+        if fresh:
             if twin is MADE_PLAIN:
                 local = value
                 shape = local.shape
@@ -202,7 +206,7 @@ def plan_flat(
                 continue  # nothing to read (an empty shard): placed or not
             raise NotPlaced(fqn)
         if spot[2].nbytes:
-            append(new(FlatRead, (spot[0], spot[1], order, spot[2], spot[3], fqn, local)))
+            append(new(FlatRead, (spot[0], spot[1], order, spot[2], spot[3], fqn, local, fresh)))
     reads.sort()
     return reads
 
@@ -339,7 +343,8 @@ def read_flat(
     # Straight into the tensors only where they are backed up first (without a backup, a job's
     # bytes are checked in a buffer before any is copied), and never into memory two share.
     scatter = getattr(source, "read_scatter", None) if before_write or back_up_whole else None
-    if scatter is not None and any_overlap([r.dest for r in reads]):
+    # Only the destinations the load did not make itself can share memory (tied weights, views).
+    if scatter is not None and any_overlap([r.dest for r in reads if not r.fresh]):
         scatter = None
     try:
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckptkeeper-read") as pool:

@@ -284,6 +284,9 @@ tensor's facts is a Python call, and the plan makes two of every three tensors o
 - :data:`MADE_PLAIN`: a new contiguous CPU tensor of the checkpoint's shape and dtype, neither
   sparse nor quantized (``torch.empty`` on the CPU, for a dtype that is not a quantized one);
 - None: nothing is known (a live tensor, or one made otherwise): a reader looks at it.
+
+A twin other than None also says the tensor is new memory the plan allocated, which shares no
+byte with any other destination.
 """
 
 MADE_PLAIN: Any = object()
