@@ -836,6 +836,25 @@ def test_the_read_in_place_check_looks_at_every_module_not_only_each_class_once(
     late_class = model()
     late_class.append(type("Custom", (nn.Linear,), {"_load_from_state_dict": lambda self, *a: None})(2, 2))
     assert not _loads_by_copying(late_class)
+    # A tensor of another class as a parameter or a buffer (a subclass may do more on copy_).
+    odd_param = model()
+    odd_param[-1].weight = nn.Parameter(torch.zeros(2, 2).as_subclass(_MarkedTensor))
+    assert not _loads_by_copying(odd_param)
+    odd_buffer = model()
+    odd_buffer[-1].register_buffer("b", torch.zeros(1).as_subclass(_MarkedTensor))
+    assert not _loads_by_copying(odd_buffer)
+    # An FSDP1 wrapper anywhere (its flat parameters only DCP converts), found in the same walk.
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(wrapper)
+    with_fsdp1 = model()
+    with_fsdp1[-1].add_module("inner", wrapper)
+    assert not _loads_by_copying(with_fsdp1)
+
+
+class _MarkedTensor(torch.Tensor):
+    """A tensor subclass that keeps torch's own dispatch (what ``as_subclass`` makes)."""
 
 
 def test_a_hook_made_from_an_fsdp2_hooks_code_is_not_taken_for_one(monkeypatch: pytest.MonkeyPatch) -> None:
