@@ -625,11 +625,11 @@ def _loads_by_copying(model: nn.Module) -> bool:
         # names: a look-up each, where a set intersected with the dict went over every key.)
         if not m.__dict__.keys().isdisjoint(own_loading):
             return False
-        for t in m._parameters.values():
-            if t is not None and type(t) not in plain:
+        for p in m._parameters.values():
+            if p is not None and type(p) not in plain:
                 return False
-        for t in m._buffers.values():
-            if t is not None and type(t) not in plain:
+        for b in m._buffers.values():
+            if b is not None and type(b) not in plain:
                 return False
         if (
             m._state_dict_hooks
