@@ -843,6 +843,14 @@ def test_the_read_in_place_check_looks_at_every_module_not_only_each_class_once(
     odd_buffer = model()
     odd_buffer[-1].register_buffer("b", torch.zeros(1).as_subclass(_MarkedTensor))
     assert not _loads_by_copying(odd_buffer)
+    # An instance-level override behind a __dict__ whose keys() or iteration lies: attribute look-ups
+    # (and so torch) find the function in the dict's own storage (found by an outside attack).
+    for lie, answer in (("keys", frozenset), ("__iter__", lambda: iter(()))):
+        hidden = model()
+        hidden[-1]._load_from_state_dict = lambda *args: None  # type: ignore[method-assign]
+        liar = type("Liar", (dict,), {lie: lambda self, answer=answer: answer()})
+        object.__setattr__(hidden[-1], "__dict__", liar(hidden[-1].__dict__))
+        assert not _loads_by_copying(hidden), lie
     # An FSDP1 wrapper anywhere (its flat parameters only DCP converts), found in the same walk.
     from torch.distributed.fsdp import FullyShardedDataParallel
 

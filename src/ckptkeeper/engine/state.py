@@ -606,7 +606,7 @@ def _loads_by_copying(model: nn.Module) -> bool:
     # A few classes for thousands of modules: each is looked at once (by identity: a metaclass
     # can make classes compare equal).
     plain_classes: set[int] = set()
-    plain, own_loading = _PLAIN, _OWN_LOADING
+    plain, own_loading, dict_has = _PLAIN, _OWN_LOADING, dict.__contains__
     for m in _all_modules(model):
         cls = type(m)
         if id(cls) not in plain_classes:
@@ -621,10 +621,13 @@ def _loads_by_copying(model: nn.Module) -> bool:
             ):
                 return False
             plain_classes.add(id(cls))
-        # Set on the instance, torch calls those. (The dict's key view is asked about the five
-        # names: a look-up each, where a set intersected with the dict went over every key.)
-        if not m.__dict__.keys().isdisjoint(own_loading):
-            return False
+        # Set on the instance, torch calls those. Asked of the dict's own storage, a look-up per
+        # name (a set intersected with the dict went over every key): attribute look-ups find a
+        # function there whatever a dict subclass's keys() or iteration say (an outside attack).
+        found = m.__dict__
+        for name in own_loading:
+            if dict_has(found, name):
+                return False
         for p in m._parameters.values():
             if p is not None and type(p) not in plain:
                 return False
