@@ -644,18 +644,6 @@ def _loads_by_copying(model: nn.Module) -> bool:
     return True
 
 
-def _fsdp1_class() -> type | None:
-    """FSDP1's wrapper class, where a walk over the modules finds every FSDP1 use (None: older
-    torch's composable FSDP1, which leaves no wrapper, or torch without distributed)."""
-    if _COMPOSABLE_FSDP1:  # pragma: no cover - torch < 2.6
-        return None
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    return FullyShardedDataParallel
-
-
 def _dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
     """A DTensor of ``local`` under ``spec``, as DTensor's own ops make them: through ``__new__``
     alone (its ``__init__`` does nothing but pass a dynamo guard, a few microseconds per call)."""
@@ -684,16 +672,29 @@ def _empty_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _COMPOSABLE_FSDP1 = importlib.util.find_spec("torch.distributed._composable.fully_shard") is not None
 
 
-def _uses_fsdp1(model: nn.Module) -> bool:
+def _fsdp1_class() -> type | None:
+    """FSDP1's wrapper class, where a walk over the modules finds every FSDP1 use (None: older
+    torch's composable FSDP1, which leaves no wrapper, or torch without distributed)."""
+    if _COMPOSABLE_FSDP1:  # pragma: no cover - torch < 2.6
+        return None
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    if _COMPOSABLE_FSDP1:  # pragma: no cover - torch < 2.6
-        return bool(FullyShardedDataParallel.fsdp_modules(model))
-    # A scan for the wrapper class: DCP's traversal asks every module for composable state
-    # (a tenth of planning a 10,000-tensor load, asked several times per load).
-    return any(isinstance(m, FullyShardedDataParallel) for m in _all_modules(model))
+        return None
+    return FullyShardedDataParallel
+
+
+def _uses_fsdp1(model: nn.Module) -> bool:
+    fsdp1 = _fsdp1_class()
+    if fsdp1 is not None:
+        # A scan for the wrapper class: DCP's traversal asks every module for composable state
+        # (a tenth of planning a 10,000-tensor load, asked several times per load).
+        return any(isinstance(m, fsdp1) for m in _all_modules(model))
+    if not _COMPOSABLE_FSDP1:
+        return False  # torch built without distributed
+    from torch.distributed.fsdp import FullyShardedDataParallel  # pragma: no cover - torch < 2.6
+
+    return bool(FullyShardedDataParallel.fsdp_modules(model))  # pragma: no cover
 
 
 def _optimizer_params(
