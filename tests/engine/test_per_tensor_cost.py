@@ -491,7 +491,7 @@ def test_the_quick_metadata_pickle_is_pickles_own_bytes_and_reads_back_safely() 
                 kinds.append(kind)
             column.append(kinds.index(kind))
         names = (*(f"model.l{i}.w" for i in range(39)), "model.l.39.w")
-        layouts.append(ShardLayout(names, tuple(kinds), tuple(column), ((39, ("model", "l.39", "w")),)))
+        layouts.append(ShardLayout(names, tuple(kinds), tuple(column), (39, 3, "model", "l.39", "w")))
     per_rank = [layout.entries() for layout in layouts]
     assert per_rank[1][39][1] == ("model", "l.39", "w") and per_rank[1][5][1] == ("model", "l5", "w")
     # Each piece starts where the one before ends, each as long as its torch.save blob.

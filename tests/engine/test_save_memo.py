@@ -9,6 +9,7 @@ read back from the data file with ``torch.load`` and compared with the tensor as
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import weakref
@@ -342,3 +343,39 @@ def test_a_new_plan_made_before_a_hook_moved_a_tensor_is_not_kept(tmp_path: Path
     litter.extend(torch.full((5, 2), 7.0) for _ in range(64))  # takes the old shard's memory
     _same(_save(tmp_path / "b", tree, memo, 1), _expected(tree))
     assert memo.hits == 0
+
+
+def test_fingerprints_tell_apart_shapes_of_the_same_elements_at_the_same_address() -> None:
+    # Fingerprints are one flat list (dimensions count first, then sizes): the same bytes seen as
+    # (6,), (1, 6) or (6, 1) must differ, alone and followed by another leaf.
+    base = torch.zeros(6)
+    after = torch.ones(2)
+    prints = [
+        fingerprints([("a", ("a",), view), ("b", ("b",), after)]) for view in (base, base.view(1, 6), base.view(6, 1))
+    ]
+    assert all(p is not None for p in prints)
+    firsts = [p[0] for p in prints if p is not None]
+    assert len({repr(f) for f in firsts}) == 3 and firsts[0] != firsts[1] != firsts[2] != firsts[0]
+    again = fingerprints([("a", ("a",), base), ("b", ("b",), after)])
+    assert again is not None and again[0] == firsts[0]
+
+
+def _tracked_now() -> int:
+    gc.collect()
+    return len(gc.get_objects())
+
+
+def test_a_kept_plan_keeps_few_objects_for_the_collector(tmp_path: Path) -> None:
+    # A kept plan lives as long as the run, and every collection walks what it holds: at 2,000
+    # nested tensors it adds about two tracked objects per tensor (each tensor's byte view and
+    # the storage object torch keeps once asked for its size), not a tuple, a torch.Size, a view,
+    # a view's buffer and a path pair each (about five, before).
+    count = 2000
+    tree = {"model": {f"layers.{i}.w": torch.full((3,), float(i)) for i in range(count)}}
+    memo = SaveMemo()
+    before = _tracked_now()
+    _same(_save(tmp_path / "a", tree, memo, 1), _expected(tree))
+    assert memo.misses == 1 and len(memo._kept) == 1
+    assert _tracked_now() - before < 2.5 * count
+    _same(_save(tmp_path / "b", tree, memo, 1), _expected(tree))
+    assert memo.hits == 1

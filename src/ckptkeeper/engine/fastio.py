@@ -553,7 +553,7 @@ class _Plan(NamedTuple):
     total: int
 
 
-def _plan_writes(tensors: Iterable[torch.Tensor]) -> _Plan:
+def _plan_writes(tensors: list[torch.Tensor]) -> _Plan:
     """The head, data and tail of each tensor, one after another, as write jobs in file order.
 
     Large data goes alone (in parts of _CHUNK); runs of small neighbours (a tensor's header and
@@ -572,12 +572,21 @@ def _plan_writes(tensors: Iterable[torch.Tensor]) -> _Plan:
     view_of = _memory_view
     empty = memoryview(b"")
     small, run_limit, iov_limit = _SMALL_PIECE, _RUN_BYTES, _IOV_MAX - 2
-    for t in tensors:
+    # Each tensor's bytes as a slice of one view spanning all of them: a view made per tensor
+    # (PyMemoryView_FromMemory) is a view and a buffer object, two objects per tensor that the
+    # garbage collector tracks for as long as a save memo keeps the plan; slices share the
+    # span's one buffer. Only the slices are ever used, each exactly one tensor's bytes (the
+    # tensors are contiguous and on the CPU, and the caller holds them while the plan is used).
+    ptrs = [t.data_ptr() for t in tensors]
+    sizes = [t.nbytes for t in tensors]
+    used = [(p, p + n) for p, n in zip(ptrs, sizes, strict=True) if n]
+    low = min(used)[0] if used else 0
+    span = view_of(low, max(end for _, end in used) - low, _PyBUF_WRITE) if used else empty
+    for t, ptr, n in zip(tensors, ptrs, sizes, strict=True):
         sk = known((t.shape, t.dtype))  # torch.Size hashes and compares as the tuple key
         if sk is None:
             sk = _skeleton(t)
-        n = t.nbytes
-        data = view_of(t.data_ptr(), n, _PyBUF_WRITE) if n else empty
+        data = span[ptr - low : ptr - low + n] if n else empty
         skeletons.append(sk)
         views.append(data)
         head, tail = sk[0], sk[1]

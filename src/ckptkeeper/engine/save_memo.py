@@ -46,13 +46,21 @@ stager's buffers, and a run that mixes them (a final sync save after async ones)
 _PARAMETER = torch.nn.Parameter
 
 
-def fingerprints(leaves: Leaves) -> tuple[list[tuple[Any, ...]], list[Any]] | None:
-    """Per leaf, what a kept plan depends on (see the module's docstring), and the leaves' sharding
-    spec objects (held by a kept plan, so that the ids compared stay theirs); None when a leaf is
-    not a plain tensor, parameter or DTensor, or a spec caches no hash (nothing is kept then)."""
-    prints: list[tuple[Any, ...]] = []
+def fingerprints(leaves: Leaves) -> tuple[list[Any], list[Any]] | None:
+    """What a kept plan depends on (see the module's docstring), leaf after leaf in one flat list,
+    and the leaves' sharding spec objects (held by a kept plan, so that the ids compared stay
+    theirs); None when a leaf is not a plain tensor, parameter or DTensor, or a spec caches no
+    hash (nothing is kept then).
+
+    Each leaf gives a fixed number of facts, then its number of dimensions, then its sizes, so two
+    such lists are equal exactly when every leaf's facts are (the dimensions always line up).
+    Flat, because a kept plan lives as long as the run: a tuple and a ``torch.Size`` per leaf were
+    20,000 objects the garbage collector tracked at 10,000 tensors, walked by the collection that
+    followed every first save (and by every full collection during training).
+    """
+    prints: list[Any] = []
     specs: list[Any] = []
-    append = prints.append
+    extend = prints.extend
     try:
         for _, _, v in leaves:
             cls = type(v)
@@ -72,26 +80,41 @@ def fingerprints(leaves: Leaves) -> tuple[list[tuple[Any, ...]], list[Any]] | No
             else:
                 return None
             # The storage's size too: one resized to 0 and then to less may come back at its old address.
-            append((key, h, t.data_ptr(), t.untyped_storage().nbytes(), t.shape, t.dtype, t.is_contiguous(),
-                    t.is_conj(), t.is_neg(), t.is_cpu, t.is_quantized))  # fmt: skip
+            extend((key, h, t.data_ptr(), t.untyped_storage().nbytes(), t.dtype, t.is_contiguous(), t.is_conj(),
+                    t.is_neg(), t.is_cpu, t.is_quantized, t.dim(), *t.shape))  # fmt: skip
     except RuntimeError:  # a tensor without plain memory (sparse, say): its data_ptr() raises
         return None
     return prints, specs
 
 
+_PART = 1024
+"""Leaves compared per step, after a sample of them (see :meth:`SaveMemo.take`): a save that
+misses stops at the first part that differs instead of fingerprinting every leaf first."""
+
+
+def _sampled(leaves: Leaves) -> Leaves:
+    # The leaves a save compares first: about 128, spread over the whole state.
+    return leaves[:: max(1, len(leaves) // 128)]
+
+
 class KeptPlan:
     """One rank's plan of one save, as :class:`SaveMemo` keeps it between saves."""
 
-    __slots__ = ("fqns", "layout", "paths", "pending", "plan", "prints", "rank", "sent", "signature", "specs",
-                 "token", "whole_at", "world")  # fmt: skip
+    __slots__ = ("count", "fqns", "layout", "parts", "paths", "pending", "plan", "rank", "sample", "sent",
+                 "signature", "specs", "token", "whole_at", "world")  # fmt: skip
 
     def __init__(self, rank: int, world: int, signature: str, leaves: Leaves) -> None:
         self.rank, self.world, self.signature = rank, world, signature
         self.pending: Leaves | None = leaves
         """The save's leaves until :meth:`note` has taken their fingerprints (then None)."""
+        self.count = 0
+        """How many leaves the fingerprints are of (0 until :meth:`note` took them)."""
         self.fqns: list[str] = []
         self.paths: list[tuple[str, ...]] = []
-        self.prints: list[tuple[Any, ...]] = []
+        self.sample: list[Any] = []
+        """The fingerprints of :func:`_sampled` leaves (compared first)."""
+        self.parts: list[list[Any]] = []
+        """The fingerprints of every ``_PART`` leaves, in order."""
         self.specs: list[Any] = []
         self.plan: _Plan | None = None
         """The write jobs of this rank's data file (filled once the first write with it succeeded)."""
@@ -110,20 +133,31 @@ class KeptPlan:
         between planning and then; with one, when the plan is made (``plan_shard``'s ``eager``).
         False when they cannot be kept."""
         if self.pending is None:
-            return bool(self.prints)  # taken already (when the plan was made: see plan_shard's eager)
+            return self.count > 0  # taken already (when the plan was made: see plan_shard's eager)
         leaves, self.pending = self.pending, None
-        found = fingerprints(leaves)
-        if found is None:
-            return False
-        self.prints, self.specs = found
+        sample = fingerprints(_sampled(leaves))
+        parts: list[list[Any]] = []
+        specs: list[Any] = []
+        for at in range(0, len(leaves), _PART):
+            found = fingerprints(leaves[at : at + _PART])
+            if found is None or sample is None:
+                return False
+            parts.append(found[0])
+            specs += found[1]
+        self.sample, self.parts, self.specs, self.count = sample[0] if sample else [], parts, specs, len(leaves)
         self.fqns = [fqn for fqn, _, _ in leaves]
         self.paths = [path for _, path, _ in leaves]
+        return self.count > 0
+
+    def matches(self, leaves: Leaves) -> bool:
+        """Whether every one of ``leaves`` is as the fingerprints found it (and no leaf more or less)."""
+        if len(leaves) != self.count:
+            return False
+        for i, at in enumerate(range(0, len(leaves), _PART)):
+            found = fingerprints(leaves[at : at + _PART])
+            if found is None or found[0] != self.parts[i]:
+                return False
         return True
-
-
-_PART = 1024
-"""Leaves compared per step, after a sample of them (see :meth:`SaveMemo.take`): a save that
-misses stops at the first part that differs instead of fingerprinting every leaf first."""
 
 
 class SaveMemo:
@@ -151,15 +185,14 @@ class SaveMemo:
         """The kept plan for these leaves (removed from the memo), or None."""
         n = len(leaves)
         with self._lock:
-            candidates = [k for k in self._kept if k.rank == rank and k.world == world and len(k.prints) == n]
+            candidates = [k for k in self._kept if k.rank == rank and k.world == world and k.count == n]
         found = None
         # A sample of the leaves first: after a load every optimizer slot is a new tensor, and
         # the async saves' buffers are other tensors than the live ones, so a miss is seen at once.
-        every = max(1, n // 128)
-        sample = fingerprints(leaves[::every]) if candidates else None
-        parts: dict[int, list[tuple[Any, ...]] | None] = {}
+        sample = fingerprints(_sampled(leaves)) if candidates else None
+        parts: dict[int, list[Any] | None] = {}
         for kept in candidates:
-            if sample is None or sample[0] != kept.prints[::every]:
+            if sample is None or sample[0] != kept.sample:
                 continue
             for at in range(0, n, _PART):
                 if at not in parts:
@@ -168,7 +201,7 @@ class SaveMemo:
                 mine = leaves[at : at + _PART]
                 if (
                     parts[at] is None
-                    or parts[at] != kept.prints[at : at + _PART]
+                    or parts[at] != kept.parts[at // _PART]
                     or [fqn for fqn, _, _ in mine] != kept.fqns[at : at + _PART]
                     or [path for _, path, _ in mine] != kept.paths[at : at + _PART]
                 ):
@@ -186,7 +219,7 @@ class SaveMemo:
 
     def keep(self, kept: KeptPlan) -> None:
         """Keep a plan whose write succeeded, newest first (the oldest beyond two is dropped)."""
-        if kept.plan is None or not kept.prints:
+        if kept.plan is None or not kept.count:
             return
         with self._lock:
             self._kept = [kept, *(k for k in self._kept if k is not kept)][:_KEEP]

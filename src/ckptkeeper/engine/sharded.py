@@ -85,7 +85,7 @@ from .fastio import (
 )
 from .gcpause import paused_gc
 from .record import FileEntry
-from .save_memo import KeptPlan, SaveMemo, fingerprints
+from .save_memo import KeptPlan, SaveMemo
 from .state import SavedTensor
 
 __all__ = [
@@ -377,8 +377,7 @@ def recheck_shard(plan: ShardPlan, rank: int, world: int) -> ShardPlan:
     if kept is None or held is None:
         return plan
     with paused_gc():
-        found = fingerprints(held)
-        if found is not None and found[0] == kept.prints:
+        if kept.matches(held):
             return plan
         if kept.plan is None:
             # A new plan: its pieces hold the tensors it was made from, and are written as they
@@ -481,7 +480,12 @@ class ShardLayout(NamedTuple):
     names: tuple[str, ...]
     kinds: tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
     kind: tuple[int, ...]
-    paths: tuple[tuple[int, tuple[str, ...]], ...]
+    paths: tuple[int | str, ...]
+    """The paths that are not their names split at their dots, in one flat tuple: for each such
+    piece, its index, its path's length, then the path's keys. Most pieces of a nested model are
+    such (``("model", "0.0.weight")``): a pair per piece was 8,750 tuples per layout at 10,000
+    tensors, kept by the save memo (and on rank 0 for every rank) and walked by the garbage
+    collector."""
 
     def entries(self) -> list[PieceEntry]:
         """One :data:`PieceEntry` per piece, in file order."""
@@ -489,7 +493,12 @@ class ShardLayout(NamedTuple):
         for dtype, shape, offsets, sizes in self.kinds:
             head, tail, _, _ = skeleton_layout(sizes, dtype)
             facts.append((shape, dtype, offsets, sizes, head + math.prod(sizes) * dtype.itemsize + tail))
-        paths = dict(self.paths)
+        paths: dict[int | str, tuple[str, ...]] = {}
+        flat, at = self.paths, 0
+        while at < len(flat):
+            n = cast(int, flat[at + 1])
+            paths[flat[at]] = cast("tuple[str, ...]", flat[at + 2 : at + 2 + n])
+            at += 2 + n
         out: list[PieceEntry] = []
         start = 0
         for i, (fqn, k) in enumerate(zip(self.names, self.kind, strict=True)):
@@ -546,7 +555,7 @@ def write_shard(
         with paused_gc():
             kinds: dict[tuple[Any, ...], int] = {}
             column = []
-            odd = []
+            odd: list[int | str] = []
             for i, (p, t) in enumerate(zip(mine, tensors, strict=True)):
                 # t.shape (a torch.Size) finds the tuple-keyed kind; a new kind is kept as tuples.
                 key = (t.dtype, p.global_shape, p.offsets, t.shape)
@@ -556,7 +565,7 @@ def write_shard(
                 column.append(k)
                 # The path is the name split at its dots unless a key holds a dot itself.
                 if len(p.path) != p.fqn.count(".") + 1:
-                    odd.append((i, p.path))
+                    odd += (i, len(p.path), *p.path)
             layout = ShardLayout(tuple(p.fqn for p in mine), tuple(kinds), tuple(column), tuple(odd))
             encoded = _encode_table(f"{MODEL_DIR}/{name}", layout, data_sums)
             whole = _whole_kinds(layout.kinds)
