@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,6 +98,12 @@ def _sampled(leaves: Leaves) -> Leaves:
     return leaves[:: max(1, len(leaves) // 128)]
 
 
+def _part_prints(leaves: Leaves) -> Iterator[tuple[list[Any], list[Any]] | None]:
+    """:func:`fingerprints` of every ``_PART`` leaves, in order, each taken when asked for."""
+    for at in range(0, len(leaves), _PART):
+        yield fingerprints(leaves[at : at + _PART])
+
+
 class KeptPlan:
     """One rank's plan of one save, as :class:`SaveMemo` keeps it between saves."""
 
@@ -136,28 +143,26 @@ class KeptPlan:
             return self.count > 0  # taken already (when the plan was made: see plan_shard's eager)
         leaves, self.pending = self.pending, None
         sample = fingerprints(_sampled(leaves))
+        if sample is None:
+            return False
         parts: list[list[Any]] = []
         specs: list[Any] = []
-        for at in range(0, len(leaves), _PART):
-            found = fingerprints(leaves[at : at + _PART])
-            if found is None or sample is None:
+        for found in _part_prints(leaves):
+            if found is None:
                 return False
             parts.append(found[0])
             specs += found[1]
-        self.sample, self.parts, self.specs, self.count = sample[0] if sample else [], parts, specs, len(leaves)
+        self.sample, self.parts, self.specs, self.count = sample[0], parts, specs, len(leaves)
         self.fqns = [fqn for fqn, _, _ in leaves]
         self.paths = [path for _, path, _ in leaves]
         return self.count > 0
 
     def matches(self, leaves: Leaves) -> bool:
         """Whether every one of ``leaves`` is as the fingerprints found it (and no leaf more or less)."""
-        if len(leaves) != self.count:
-            return False
-        for i, at in enumerate(range(0, len(leaves), _PART)):
-            found = fingerprints(leaves[at : at + _PART])
-            if found is None or found[0] != self.parts[i]:
-                return False
-        return True
+        # Part by part, stopping at the first that differs (equal counts: as many parts).
+        return len(leaves) == self.count and all(
+            found is not None and found[0] == kept for found, kept in zip(_part_prints(leaves), self.parts, strict=True)
+        )
 
 
 class SaveMemo:
