@@ -10,7 +10,9 @@
 #   1. benchmarks/gpu_check.py --device cuda: the copy floor, the async/sync round trip on the device,
 #      `ckptkeeper bench --device cuda` in one process and over a one-rank NCCL FSDP2 mesh;
 #   2. the tests that need a GPU (tests/engine/test_cuda.py and the two CUDA tests beside it);
-#   3. the many-tensor benchmark on the machine's CPUs at 2 gloo ranks (10 vs 10,000 tensors).
+#   3. the many-tensor benchmark on the machine's CPUs at 2 gloo ranks (10 vs 10,000 tensors);
+#   4. the load's floor there (benchmarks/load_floor.py: ours against a bare load, 10 vs 10,000 tensors),
+#      which says how much of step 3's load ratio that machine allows any load.
 set -u
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -42,4 +44,6 @@ for n in ${BENCH_RANKS:-2}; do
     step "bench_cpu_${n}ranks" "${BENCH_S:-150}" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" \
         -m ckptkeeper bench --model-mib 86 --tensors 2500 --compare-tensors 10 --repeats "${BENCH_REPEATS:-3}" --json
 done
+step load_floor "${FLOOR_S:-90}" "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+    benchmarks/load_floor.py --repeats "${FLOOR_REPEATS:-5}"
 exit 0
