@@ -35,6 +35,7 @@ from . import distributed as D
 from ._resume import DataPosition, check_train_state, from_olmo_core, rng_state, set_rng_state
 from .engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, TrainingState
 from .engine.async_runner import is_outcome
+from .engine.deleter import set_aside_unloadable
 from .engine.discovery import NOT_OURS
 from .engine.record import check_metrics
 from .engine.saving import final_path, untouched
@@ -67,6 +68,13 @@ from .storage.layout import MAX_STEP
 __all__ = ["CheckpointEvent", "CheckpointManager", "JsonStateful"]
 
 log = logging.getLogger("ckptkeeper.manager")
+
+
+def _step_order(path: str) -> tuple[int, str]:
+    # Checkpoints in step order (step5 before step10), then by path.
+    step = parse_step(path)
+    return (-1 if step is None else step, path)
+
 
 _T = TypeVar("_T")
 
@@ -140,7 +148,9 @@ class CheckpointManager:
         load_path: a checkpoint (or save folder) to start from when ``save_folder`` holds none.
         checkpointer: the engine (default ``Checkpointer()``): writer threads, staging budget, spool.
         start_fresh_if_unloadable: when the folder holds checkpoints and none loads, start from
-            scratch instead of raising :class:`~ckptkeeper.CorruptCheckpointError`.
+            scratch instead of raising :class:`~ckptkeeper.CorruptCheckpointError` (the broken
+            checkpoints are first moved aside on a local disk, see
+            :func:`~ckptkeeper.engine.deleter.set_aside_unloadable`).
         take_lease: hold the folder's writer lease while open (a second run on it is refused).
         strict: ``False`` loads what matches the model and reports the rest in :attr:`load_report`.
         state: an already built :class:`~ckptkeeper.TrainingState` (instead of model/optimizer/extra_state).
@@ -456,18 +466,28 @@ class CheckpointManager:
                 log.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
                 failures.append((path, str(exc)))
         if failures:
-            listing = "; ".join(f"{p}: {why}" for p, why in sorted(failures))
+            listing = "; ".join(f"{p}: {why}" for p, why in sorted(failures, key=lambda f: _step_order(f[0])))
             if not self.start_fresh_if_unloadable:
                 raise CorruptCheckpointError(
                     f"none of the {len(failures)} checkpoints in {self.save_folder} can be loaded ({listing}). "
                     "Restore one from a copy, or pass start_fresh_if_unloadable=True (ckptkeeper train: "
-                    "--start-fresh-if-unloadable) to train from scratch; the broken checkpoints stay where they are"
+                    "--start-fresh-if-unloadable) to train from scratch; the broken checkpoints are then moved "
+                    "aside (unloadable-step{N}-...) on a local disk, or stay in place on an object store"
                 )
+            # Moved before the fresh run saves anything: its checkpoint of the same step would
+            # replace the broken one (found by a newcomer's run: the evidence was gone).
+            paths = sorted({p for p, _ in failures}, key=_step_order)
+            moved = D.on_rank0(lambda: [set_aside_unloadable(p) for p in paths])
+            where = "; ".join(
+                f"{p} -> {m}" if m else f"{p} stays in place (a checkpoint of its step saved by this run replaces it)"
+                for p, m in zip(paths, moved, strict=True)
+            )
             log.warning(
-                "no checkpoint in %s could be loaded (%s); starting from %s as asked",
+                "no checkpoint in %s could be loaded (%s); starting from %s as asked; the broken ones: %s",
                 self.save_folder,
                 listing,
                 self.load_path or "scratch",
+                where,
             )
         if self.load_path is None:
             return None

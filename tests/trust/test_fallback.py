@@ -50,6 +50,52 @@ def test_every_checkpoint_bad_stops_with_a_listing_and_leaves_the_model_alone(tm
     )
 
 
+def test_starting_fresh_sets_the_broken_checkpoints_aside_instead_of_saving_over_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by a newcomer: the fresh run saved step3 and step6 again, replacing the broken ones the
+    # error had said would stay where they are (the evidence of what broke was gone).
+    folder = tmp_path / "run"
+    assert run_to_end(tiny_trainer(str(folder), _cb(), 7, crash_at=6)) is False
+    _flip(folder / "step3" / "model_and_optim" / "__0_0.distcp")
+    _flip(folder / "step6" / "train" / "rank0.json", at=10)
+    broken = {
+        step: {p.relative_to(folder / step): p.read_bytes() for p in (folder / step).rglob("*") if p.is_file()}
+        for step in ("step3", "step6")
+    }
+    again = tiny_trainer(str(folder), _cb(), 9)
+    again.start_fresh_if_unloadable = True
+    with caplog.at_level(logging.WARNING, logger="ckptkeeper"):
+        again.fit()
+    assert again.start_step == 0
+    # The fresh run's own checkpoints, and nothing else, are listed and resumed from.
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(folder))] == [3, 6, 9]
+    for step in ("step3", "step6"):
+        Checkpointer().verify(str(folder / step))  # raises unless every file checks out
+        aside = sorted(folder.glob(f"unloadable-{step}-*"))
+        assert len(aside) == 1, sorted(p.name for p in folder.iterdir())
+        kept = {p.relative_to(aside[0]): p.read_bytes() for p in aside[0].rglob("*") if p.is_file()}
+        assert kept == broken[step]  # byte for byte, for a post-mortem
+        assert str(aside[0]) in caplog.text
+    resumed = tiny_trainer(str(folder), _cb(), 12)
+    resumed.fit()
+    assert resumed.start_step == 9
+
+
+def test_a_broken_checkpoint_on_an_object_store_stays_in_place_and_listings_go_in_step_order() -> None:
+    from ckptkeeper.engine.deleter import set_aside_unloadable
+    from ckptkeeper.manager import _step_order
+    from ckptkeeper.storage import storage_for
+
+    url = "memory://bucket/run/step3"
+    storage = storage_for(url)
+    storage.write_bytes(storage.join(url, "a.bin"), b"broken")
+    assert set_aside_unloadable(url) is None  # no rename on an object store: nothing copied or deleted
+    assert storage.read_bytes(storage.join(url, "a.bin")) == b"broken"
+    paths = ["/r/step10", "/r/step5", "s3://b/r/step0", "/r/step100"]
+    assert sorted(paths, key=_step_order) == ["s3://b/r/step0", "/r/step5", "/r/step10", "/r/step100"]
+
+
 def test_a_record_that_no_longer_parses_counts_as_a_broken_checkpoint(tmp_path: Path) -> None:
     folder = tmp_path / "run"
     tiny_trainer(str(folder), _cb(), 3).fit()

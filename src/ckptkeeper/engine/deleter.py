@@ -10,7 +10,9 @@ The rules, each one a promise the README makes:
 - scratch folders are matched exactly (``.tmp-step{N}-{8 hex}``), never by prefix;
 - object-store leftovers of interrupted saves and removals (a step prefix without a commit record)
   are deleted only through their intent objects, which list exactly what was going to be uploaded;
-- spool folders are named after their process and removed once that process is gone.
+- spool folders are named after their process and removed once that process is gone;
+- a broken checkpoint a run starts fresh over is moved aside (``unloadable-step{N}-{hex}``), never
+  deleted: no listing, retention rule or clean-up matches that name.
 
 :class:`Deleter` owns the background thread that deletes files of removed checkpoints, so that
 training (and the save thread) never waits on a slow ``rmtree`` or a bucket's delete calls.
@@ -22,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -55,6 +58,7 @@ __all__ = [
     "read_intents",
     "record_is_ours",
     "remove_checkpoint",
+    "set_aside_unloadable",
     "step_path",
     "sweep_dead_spools",
     "unlisted_local_files",
@@ -612,3 +616,29 @@ def sweep_dead_spools(base: str) -> list[str]:
     if gone:
         log.info("removed %d spool folders of processes that are gone", len(gone))
     return gone
+
+
+UNLOADABLE_PREFIX = "unloadable-"
+
+
+def set_aside_unloadable(path: str) -> str | None:
+    """Move the broken checkpoint folder ``path`` to ``unloadable-step{N}-{8 hex}`` beside it; where it is now.
+
+    For a run that starts fresh over checkpoints none of which loads: its own checkpoint of the
+    same step would otherwise replace the broken one, and with it what a post-mortem needs. None
+    where it stays: object stores (a folder there cannot be renamed, only copied object by
+    object) and a rename the filesystem refuses (logged).
+    """
+    storage = storage_for(path)
+    local = storage.local_path(path) if storage.supports_rename else None
+    if local is None:
+        return None
+    parent, name = os.path.split(os.path.normpath(local))
+    aside = os.path.join(parent, f"{UNLOADABLE_PREFIX}{name}-{secrets.token_hex(4)}")
+    try:
+        os.rename(local, aside)  # a symlinked step folder: the link moves, its target is not touched
+        fsync_dir(parent or ".")
+    except OSError as exc:
+        log.warning("could not move the broken checkpoint %s aside (%s); it stays where it is", path, exc)
+        return None
+    return aside
