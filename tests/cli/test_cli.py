@@ -84,6 +84,7 @@ def test_a_finished_folder_says_so_and_exits_zero(tmp_path: Path, finished_run: 
     again = run_cli("-q", "train", "--save-folder", "run", "--steps", "25", "--report", "r.json", cwd=tmp_path)
     assert again.returncode == 0
     assert "already holds step 30" in again.stdout
+    assert "trained no step" in again.stdout and "trained steps" not in again.stdout  # not "30..30"
     assert sorted(os.listdir(tmp_path / "run")) == before
     assert json.loads((tmp_path / "r.json").read_text())["losses"] == {}
 

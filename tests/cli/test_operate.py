@@ -88,6 +88,9 @@ def test_verify_takes_a_checkpoint_copied_to_a_folder_of_another_name(tmp_path: 
     (copy / "model_and_optim" / "__0_0.distcp").write_bytes(b"x")
     bad = run_cli("verify", str(copy), cwd=tmp_path)
     assert bad.returncode == 1 and "FAILED" in bad.stdout and "__0_0.distcp" in bad.stdout
+    # Every row has the same keys, passed or failed (a failed one had no "note").
+    rows = json.loads(run_cli("verify", str(copy), str(tmp_path / "nowhere"), "--json", cwd=tmp_path).stdout)
+    assert [sorted(r) for r in rows] == [sorted(row)] * 2 and not rows[0]["ok"] and not rows[1]["ok"]
     # A folder of such copies is still no save folder.
     assert "no checkpoints here" in run_cli("verify", str(tmp_path / "kept"), cwd=tmp_path).stdout
 
@@ -116,7 +119,7 @@ def test_prune_dry_run_deletes_nothing_then_prunes_by_the_rules(tmp_path: Path, 
     assert res.returncode == 0, res.stderr
     assert sorted(os.listdir(folder)) == ["step20", "step40", "step50"]  # 50: the newest always stays
     none = run_cli("prune", str(folder), "--yes", cwd=tmp_path)
-    assert none.returncode == 1 and "--keep-last" in none.stderr
+    assert none.returncode == 2 and "--keep-last" in none.stderr  # bad arguments (the README's exit codes)
 
 
 def test_inspect_shows_record_trainer_state_and_tensors(tmp_path: Path, folder: Path) -> None:
@@ -169,6 +172,9 @@ def test_cp_local_to_s3_to_local_round_trip_verifies(tmp_path: Path, folder: Pat
     assert state_digest(dst.model, dst.optimizer) == state_digest(src.model, src.optimizer)
     again = run_cli("cp", f"{s3_root}/step30", str(back), cwd=tmp_path)  # identical: left as it is
     assert again.returncode == 0
+    # ... and said so (it printed "copied" before, found by a newcomer).
+    assert "nothing copied" in again.stdout, again.stdout
+    assert not again.stdout.startswith("copied"), again.stdout
     assert run_cli("verify", s3_root, cwd=tmp_path).returncode == 0
 
 
@@ -294,5 +300,7 @@ def test_prune_keeps_the_best_by_metric_and_the_young(tmp_path: Path) -> None:
     assert left == ["step2", "step4"]  # the best, and the newest
     young = run_cli("prune", folder, "--keep-younger-than", "1h", "--dry-run", cwd=tmp_path)
     assert young.returncode == 0 and "nothing to remove" in young.stdout
+    # Flags that do not go together are bad arguments: exit 2, as the README says (they exited 1).
     bad = run_cli("prune", folder, "--keep-best", "1", cwd=tmp_path)
-    assert bad.returncode != 0 and "--metric" in bad.stderr
+    assert bad.returncode == 2 and "--metric" in bad.stderr
+    assert sorted(p.name for p in Path(folder).iterdir() if p.name.startswith("step")) == left

@@ -21,6 +21,7 @@ from typing import NoReturn
 from .._version import __version__
 from ..errors import CkptkeeperError
 from . import bench, cp, export, inspect, ls, prune, rm, train, verify
+from ._common import UsageError
 
 __all__ = ["main"]
 
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CkptkeeperError as exc:
         text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line, always
         print(f"ckptkeeper {args.command}: error: {text}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, UsageError) else 1
     except KeyboardInterrupt:
         print(f"ckptkeeper {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE

@@ -8,7 +8,11 @@ from collections.abc import Callable, Iterator
 
 from ..errors import ConfigurationError
 
-__all__ = ["confirm", "human", "progress", "require_local"]
+__all__ = ["UsageError", "confirm", "human", "progress", "require_local"]
+
+
+class UsageError(ConfigurationError):
+    """Flags that do not go together, found after parsing: exit code 2, as argparse gives bad arguments."""
 
 
 def human(n: int) -> str:

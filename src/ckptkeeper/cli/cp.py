@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             total = sum(f.size for f in storage_for(s).walk(s))
             try:
                 with progress(f"copying {s.rsplit('/', 1)[-1]}", total) as advance:
-                    out = copy_checkpoint(s, args.dst, advance)
+                    out, copied = copy_checkpoint(s, args.dst, advance)
             except CkptkeeperError as exc:
                 if len(sources) == 1:
                     raise
@@ -67,5 +67,8 @@ def run(args: argparse.Namespace) -> int:
                 failed += 1
                 print(f"ckptkeeper cp: error: {s}: {exc}", file=sys.stderr)
                 continue
-            print(f"copied {s} -> {out} ({human(total)}, verified)")
+            if copied:
+                print(f"copied {s} -> {out} ({human(total)}, verified)")
+            else:
+                print(f"{out} already holds {s} (the same commit record): nothing copied")
     return 1 if failed else 0

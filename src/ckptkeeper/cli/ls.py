@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"no checkpoint folders in {args.path}")
         return 0
     table = Table(title=f"checkpoints in {args.path}")
-    columns = ["step", "kind", "complete", "size", "created (UTC)", "format", "note"]
+    columns = ["step", "kind", "complete", "size", "created (UTC)", "format", "problem"]
     if args.verify:
         columns.insert(3, "verified")
     for col in columns:

@@ -7,8 +7,7 @@ import sys
 import time
 from typing import Any
 
-from ..errors import ConfigurationError
-from ._common import confirm, human, require_local
+from ._common import UsageError, confirm, human, require_local
 from .train import int_in_range
 
 __all__ = ["add_parser", "run"]
@@ -73,10 +72,10 @@ def run(args: argparse.Namespace) -> int:
     from ..policy import PruneCandidate, PruneRules, plan_prune
 
     if (args.keep_best is None) != (args.metric is None):
-        raise ConfigurationError("--keep-best and --metric go together: --keep-best 3 --metric val_loss")
+        raise UsageError("--keep-best and --metric go together: --keep-best 3 --metric val_loss")
     rules_given = (args.keep_last, args.keep_every, args.keep_best, args.keep_younger_than)
     if all(r is None for r in rules_given) and not args.keep_steps:
-        raise ConfigurationError(
+        raise UsageError(
             "give at least one of --keep-last, --keep-every, --keep-steps, --keep-best or --keep-younger-than; "
             "pruning with none would remove every checkpoint but the newest"
         )

@@ -80,7 +80,8 @@ def _train(args: argparse.Namespace, cb: CheckpointerCallback) -> int:
         start_fresh_if_unloadable=args.start_fresh_if_unloadable,
     )
     trainer.fit()
-    if trainer.checkpoint_loaded and trainer.start_step >= args.steps and D.get_rank() == 0:
+    nothing_to_do = trainer.checkpoint_loaded and trainer.start_step >= args.steps
+    if nothing_to_do and D.get_rank() == 0:
         print(f"{args.save_folder} already holds step {trainer.start_step} (>= --steps {args.steps}); nothing to do")
     digest = state_digest(setup.model, setup.optimizer)
     if args.report and D.get_rank() == 0:
@@ -95,5 +96,7 @@ def _train(args: argparse.Namespace, cb: CheckpointerCallback) -> int:
         with open(args.report, "w") as f:
             json.dump(report, f, indent=1)
     if D.get_rank() == 0:
-        print(f"trained steps {trainer.start_step}..{trainer.global_step}; state digest {digest[:16]}")
+        # (Not "trained steps 60..60" after "nothing to do": found by a newcomer.)
+        done = "trained no step" if nothing_to_do else f"trained steps {trainer.start_step}..{trainer.global_step}"
+        print(f"{done}; state digest {digest[:16]}")
     return 0

@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> None:
         "per checkpoint; exit 1 if any fails.",
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="a checkpoint or a save folder (path or URL)")
-    p.add_argument("--json", action="store_true", help="print a JSON list of {path, step, ok, problem, bytes}")
+    p.add_argument("--json", action="store_true", help="print a JSON list of {path, step, ok, problem, bytes, note}")
     p.set_defaults(func=run)
 
 
@@ -51,14 +51,15 @@ def run(args: argparse.Namespace) -> int:
     for path in args.paths:
         problem = local_problem(path)
         if problem is not None:
-            rows.append({"path": path, "step": None, "ok": False, "problem": problem, "bytes": 0})
+            rows.append({"path": path, "step": None, "ok": False, "problem": problem, "bytes": 0, "note": None})
             continue
         # The engine is imported once a path exists (verifying a folder may import torch).
         from ..engine import discovery
 
         found = checkpoints_under(path)
         if not found:
-            rows.append({"path": path, "step": None, "ok": False, "problem": "no checkpoints here", "bytes": 0})
+            rows.append({"path": path, "step": None, "ok": False, "problem": "no checkpoints here", "bytes": 0,
+                         "note": None})  # fmt: skip
         for ckpt in found:
             step = parse_step(ckpt.rsplit("/", 1)[-1])
             stored = sum(f.size for f in storage_for(ckpt).walk(ckpt))
@@ -67,11 +68,11 @@ def run(args: argparse.Namespace) -> int:
                     record = discovery.verify(ckpt)
                     if step is None:  # a checkpoint in a folder not named step{N}: its record says
                         step = record.step
-                    note = getattr(discovery, "verify_note", lambda p: None)(ckpt)
                     rows.append({"path": ckpt, "step": step, "ok": True, "problem": None, "bytes": stored,
-                                 "note": note})  # fmt: skip
+                                 "note": discovery.verify_note(ckpt)})  # fmt: skip
                 except CkptkeeperError as exc:
-                    rows.append({"path": ckpt, "step": step, "ok": False, "problem": str(exc), "bytes": stored})
+                    rows.append({"path": ckpt, "step": step, "ok": False, "problem": str(exc), "bytes": stored,
+                                 "note": None})  # fmt: skip
                 advance(stored)
     if args.json:
         print(json.dumps(rows, indent=1))

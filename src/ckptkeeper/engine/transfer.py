@@ -56,8 +56,9 @@ def _is_olmo_marker(data: bytes) -> bool:
 
 def copy_checkpoint(
     src: str, dst_folder: str, advance: Callable[[int], None] | None = None, spool_dir: str | None = None
-) -> str:
-    """Copy the checkpoint at ``src`` into the save folder ``dst_folder``; returns its new path.
+) -> tuple[str, bool]:
+    """Copy the checkpoint at ``src`` into the save folder ``dst_folder``; returns its new path, and
+    whether anything was copied (False: an identical checkpoint was there already).
 
     The destination keeps the ``step{N}`` name. An identical checkpoint already there is left as it
     is; a different one (or anything else named ``step{N}``) is an error, never overwritten.
@@ -76,7 +77,7 @@ def copy_checkpoint(
             same = False
         if same:
             log.info("%s already holds this checkpoint; left as it is", final)
-            return final
+            return final, False
         raise ConfigurationError(
             f"{final} already exists and differs from {src}; remove it first (ckptkeeper rm) or copy elsewhere"
         )
@@ -128,7 +129,7 @@ def copy_checkpoint(
     finally:
         shutil.rmtree(spool, ignore_errors=True)
     discovery.verify(final)
-    return final
+    return final, True
 
 
 def _exists(storage: Storage, path: str) -> bool:
