@@ -134,6 +134,7 @@ def test_inspect_shows_record_trainer_state_and_tensors(tmp_path: Path, folder: 
     assert info["total_tensor_bytes"] == sum(t["bytes"] for t in info["tensors"] if t["bytes"])
     table = run_cli("inspect", str(folder / "step30"), cwd=tmp_path)
     assert table.returncode == 0 and "model.0.weight" in table.stdout
+    assert "'global_step': 30" in table.stdout  # the user's trainer state, not just "dict"
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])

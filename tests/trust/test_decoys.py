@@ -93,6 +93,15 @@ def test_removal_judges_the_normalised_path(path: str) -> None:
         Checkpointer().remove(path)
 
 
+def test_a_refused_removal_gives_its_own_reason(tmp_path: Path) -> None:
+    # An ordinary folder was refused "(never a filesystem or bucket root)": true, and beside the point.
+    with pytest.raises(ConfigurationError, match="'notckpt' is not a step") as plain:
+        Checkpointer().remove(str(tmp_path / "notckpt"))
+    assert "bucket root" not in str(plain.value)
+    with pytest.raises(ConfigurationError, match="directly in a filesystem or bucket root"):
+        Checkpointer().remove("/step5")
+
+
 def test_remove_refuses_a_folder_without_a_commit_record(tmp_path: Path) -> None:
     (tmp_path / "step5").mkdir()
     (tmp_path / "step5" / "mine.txt").write_text("x")

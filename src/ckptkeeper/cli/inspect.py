@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from typing import Any
 
 from ..errors import CkptkeeperError
@@ -76,6 +77,25 @@ def describe(path: str) -> dict[str, Any]:
     }
 
 
+_BRIEF_KEYS = 20
+
+
+def _brief(value: Any, depth: int) -> Any:
+    """A short form of a trainer-state value: scalars as they are (long strings cut), dicts ``depth``
+    levels deep (at most 20 keys each), anything else by its type's name."""
+    if isinstance(value, (int, float, bool)) or value is None:
+        return value
+    if isinstance(value, str):
+        return value if len(value) <= 80 else value[:77] + "..."
+    if isinstance(value, dict) and depth > 0:
+        items = list(value.items())
+        out = {k: _brief(v, depth - 1) for k, v in items[:_BRIEF_KEYS]}
+        if len(items) > _BRIEF_KEYS:
+            out["..."] = f"{len(items) - _BRIEF_KEYS} more (--json shows all)"
+        return out
+    return type(value).__name__
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper inspect``; returns the exit code."""
     require_local(args.path)
@@ -86,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # Written to a log or a pipe, lines keep their width instead of folding into 80 (as ls does).
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     rec = info["record"] or {}
     console.print(f"[bold]{args.path}[/bold] ({rec.get('format', '?')})")
     for key in ("step", "ephemeral", "world_size", "version"):
@@ -94,11 +115,10 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"  {key}: {rec[key]}")
     if "files" in rec:
         console.print(f"  files: {len(rec['files'])} listed with sizes and xxh3-64 checksums")
-    ts = info["train_state"]
-    summary = {
-        k: (v if isinstance(v, (int, float, str, bool)) or v is None else type(v).__name__) for k, v in ts.items()
-    }
-    console.print(f"  trainer state: {summary}")
+    # The user's own trainer state (``train_state``, e.g. {"epoch": 3}) one level deeper: it was
+    # only named as a dict, and shown only with --json (found by a newcomer).
+    summary = {k: _brief(v, 1 if k == "train_state" else 0) for k, v in info["train_state"].items()}
+    console.print(f"  trainer state: {summary}", markup=False, highlight=False)
     table = Table(title="tensors")
     for col in ("name", "shape", "dtype", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")

@@ -94,9 +94,14 @@ def step_path(path: str) -> tuple[Storage, str, str, int]:
         at_root = len(bucket_and_key) < 2  # the bucket itself
     step = parse_step(name)
     if step is None or at_root:
+        # (Said of any folder, the root's reason read oddly for an ordinary one: found by a newcomer.)
+        why = (
+            "a checkpoint directly in a filesystem or bucket root is never removed"
+            if at_root
+            else (f"{name!r} is not a step{{N}} folder")
+        )
         raise ConfigurationError(
-            f"refusing to remove {path!r}: only step{{N}} folders inside a save folder are removed "
-            "(never a filesystem or bucket root)"
+            f"refusing to remove {path!r}: only step{{N}} folders inside a save folder are removed, and {why}"
         )
     return storage, canon, parent, step
 
