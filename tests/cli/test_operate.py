@@ -99,6 +99,10 @@ def test_rm_removes_the_step_folder(tmp_path: Path, folder: Path) -> None:
     res = ck("rm", str(folder / "step20"), "--yes", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert not (folder / "step20").exists()
+    # The metrics event (a line of JSON) is for -v and CKPTKEEPER_METRICS, not for every console.
+    assert "ckptkeeper.metrics" not in res.stderr and "removed" in res.stderr + res.stdout, res.stderr
+    loud = ck("-v", "rm", str(folder / "step10"), "--yes", cwd=tmp_path)
+    assert loud.returncode == 0 and 'ckptkeeper.metrics: remove {"event": "remove"' in loud.stderr, loud.stderr
     assert not [p for p in folder.iterdir() if p.name.startswith(".trash-")]
     # Without --yes and without a terminal to ask on, it refuses and removes nothing.
     refused = ck("rm", str(folder / "step30"), cwd=tmp_path, stdin="")

@@ -70,8 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not args.verbose:
-        # Client libraries are chatty at INFO (every retry, every connection); -v shows them.
-        for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "gcsfs", "fsspec", "aiohttp"):
+        # Client libraries are chatty at INFO (every retry, every connection); -v shows them. So is
+        # our own metrics logger (a line of JSON per save, beside the line saying it happened):
+        # CKPTKEEPER_METRICS=FILE still gets every event.
+        for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "gcsfs", "fsspec", "aiohttp", "ckptkeeper.metrics"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
     # Only ckptkeeper's own errors (which name the problem and the fix) and Ctrl-C become one line:
     # anything else is a bug, and its traceback is what a bug report needs.
