@@ -386,6 +386,11 @@ class HostCopies(NamedTuple):
     copies: list[torch.Tensor]
     """The host tensors the readers fill, one per destination."""
 
+    @classmethod
+    def none(cls) -> HostCopies:
+        """No destination read through a host tensor (new lists each time: they are never shared)."""
+        return cls([], [], [])
+
     def copy_in(self) -> None:
         """Copy every host tensor into its destination (once the reads are done and checked)."""
         if self.copies:
@@ -474,7 +479,7 @@ def bounced(plan: LoadPlan, budget: int | None = None) -> tuple[LoadPlan, HostCo
         for key, t in flatten_tensors(plan.tensors):
             host(key, t)
     if not swapped or (budget is not None and sum(c.nbytes for c in copies) > budget):
-        return plan, HostCopies([], [], [])
+        return plan, HostCopies.none()
 
     def rebuilt(tree: Mapping[str, Any]) -> dict[str, Any]:
         return {

@@ -196,7 +196,7 @@ def _load_verified(
         # it cannot fill (on a GPU, say), copied in once every byte is read and checked. Tried
         # second so that a load with none pays nothing for the look (a pass over every tensor).
         # What the readers fill is kept in prep; DCP's reader, if taken, reads into ``plan``.
-        prep.update(into=plan, copies=HostCopies([], [], []))
+        prep.update(into=plan, copies=HostCopies.none())
         found = fits(plan)
         if found is None:
             into, copies = bounced(plan, ck.staging_budget_bytes)
@@ -363,7 +363,7 @@ def _load_verified(
     doc, plan = prep["doc"], prep["plan"]
     # Host copies are only made for the fast readers (whose planning, in prepare(), was the last
     # to see the plan); DCP's reads into the destinations themselves.
-    copies: HostCopies = prep["copies"] if mode != "dcp" else HostCopies([], [], [])
+    copies: HostCopies = prep["copies"] if mode != "dcp" else HostCopies.none()
 
     def copy_in() -> None:
         if copies.names:
