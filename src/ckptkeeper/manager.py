@@ -459,6 +459,7 @@ class CheckpointManager:
             return good, broken
 
         candidates, failures = D.on_rank0(survey)
+        paths: list[str] = []  # the broken ones, set aside once the run starts without them
         for path in candidates:
             try:
                 return path, attempt(path)
@@ -471,25 +472,18 @@ class CheckpointManager:
                 raise CorruptCheckpointError(
                     f"none of the {len(failures)} checkpoints in {self.save_folder} can be loaded ({listing}). "
                     "Restore one from a copy, or pass start_fresh_if_unloadable=True (ckptkeeper train: "
-                    "--start-fresh-if-unloadable) to train from scratch; the broken checkpoints are then moved "
-                    "aside (unloadable-step{N}-...) on a local disk, or stay in place on an object store"
+                    "--start-fresh-if-unloadable) to train from scratch; on a local disk those proven damaged are "
+                    "then moved aside (unloadable-step{N}-...), not saved over"
                 )
-            # Moved before the fresh run saves anything: its checkpoint of the same step would
-            # replace the broken one (found by a newcomer's run: the evidence was gone).
-            paths = sorted({p for p, _ in failures}, key=_step_order)
-            moved = D.on_rank0(lambda: [set_aside_unloadable(p) for p in paths])
-            where = "; ".join(
-                f"{p} -> {m}" if m else f"{p} stays in place (a checkpoint of its step saved by this run replaces it)"
-                for p, m in zip(paths, moved, strict=True)
-            )
             log.warning(
-                "no checkpoint in %s could be loaded (%s); starting from %s as asked; the broken ones: %s",
+                "no checkpoint in %s could be loaded (%s); starting from %s as asked",
                 self.save_folder,
                 listing,
                 self.load_path or "scratch",
-                where,
             )
+            paths = sorted({p for p, _ in failures}, key=_step_order)
         if self.load_path is None:
+            self._set_aside(paths)
             return None
         load_path = self.load_path
 
@@ -506,7 +500,23 @@ class CheckpointManager:
                 "folder that `ckptkeeper ls` shows as complete"
             )
         # Asked for explicitly: a corrupt load_path raises, there is nothing to fall back to.
-        return resolved, attempt(resolved)
+        found = resolved, attempt(resolved)
+        self._set_aside(paths)
+        return found
+
+    def _set_aside(self, paths: list[str]) -> None:
+        """Move the broken checkpoints ``paths`` aside (rank 0), once the run is sure to start
+        without them: its checkpoint of the same step would replace each one, and with it what a
+        post-mortem needs (found by a newcomer's run). Not before a ``load_path`` has loaded: a run
+        that stops on it moves nothing (found by an outside attack)."""
+        if not paths:
+            return
+        outcomes = D.on_rank0(lambda: [set_aside_unloadable(p) for p in paths])
+        log.warning(
+            "the checkpoints in %s that could not be loaded: %s",
+            self.save_folder,
+            "; ".join(f"{p}: {why}" for p, (_, why) in zip(paths, outcomes, strict=True)),
+        )
 
     # ------------------------------------------------------------------ data
 

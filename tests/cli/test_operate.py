@@ -183,6 +183,31 @@ def test_cp_local_to_s3_to_local_round_trip_verifies(tmp_path: Path, folder: Pat
     assert run_cli("verify", s3_root, cwd=tmp_path).returncode == 0
 
 
+def test_paths_that_look_like_rich_markup_are_shown_as_they_are(tmp_path: Path) -> None:
+    # Found by an outside attack: a folder named "a[/]b" crashed ls and inspect (MarkupError).
+    st = _state()
+    odd = tmp_path / "a[/]b [bold]x"
+    Checkpointer().save(str(odd), 5, st, train_state={"[red]k": "[/]v"})
+    listed = run_cli("ls", str(odd), cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert "a[/]b" in listed.stdout and "[bold]x" in listed.stdout  # the title may wrap between them
+    shown = run_cli("inspect", str(odd / "step5"), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "a[/]b [bold]x" in shown.stdout and "'[red]k': '[/]v'" in shown.stdout
+
+
+def test_cp_onto_a_damaged_copy_of_the_same_checkpoint_says_so(tmp_path: Path, folder: Path) -> None:
+    # Found by an outside attack: it printed "already holds ... nothing copied" and exited 0.
+    assert main(["cp", str(folder / "step30"), str(tmp_path / "dst")]) == 0
+    data = tmp_path / "dst" / "step30" / "model_and_optim" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(bytes(raw))
+    again = run_cli("cp", str(folder / "step30"), str(tmp_path / "dst"), cwd=tmp_path)
+    assert again.returncode == 1 and "do not verify" in again.stderr and "ckptkeeper rm" in again.stderr
+    assert data.read_bytes() == bytes(raw)  # refused: nothing overwritten
+
+
 def test_cp_of_a_corrupt_checkpoint_fails_and_leaves_nothing(tmp_path: Path, folder: Path) -> None:
     data = folder / "step30" / "model_and_optim" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())

@@ -90,10 +90,60 @@ def test_a_broken_checkpoint_on_an_object_store_stays_in_place_and_listings_go_i
     url = "memory://bucket/run/step3"
     storage = storage_for(url)
     storage.write_bytes(storage.join(url, "a.bin"), b"broken")
-    assert set_aside_unloadable(url) is None  # no rename on an object store: nothing copied or deleted
+    assert set_aside_unloadable(url)[0] is None  # no rename on an object store: nothing copied or deleted
     assert storage.read_bytes(storage.join(url, "a.bin")) == b"broken"
     paths = ["/r/step10", "/r/step5", "s3://b/r/step0", "/r/step100"]
     assert sorted(paths, key=_step_order) == ["s3://b/r/step0", "/r/step5", "/r/step10", "/r/step100"]
+
+
+def test_only_a_checkpoint_proven_ours_and_damaged_is_set_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by an outside attack: an intact checkpoint a run could not use (another trainer's, a
+    # newer format's), a plain file named step{N}, a foreign record, and a move whose fsync failed.
+    from ckptkeeper.engine import deleter
+    from ckptkeeper.engine.deleter import set_aside_unloadable
+
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), _cb(), 9).fit()
+    intact, why = set_aside_unloadable(str(folder / "step3"))
+    assert intact is None and "verifies" in why and (folder / "step3").is_dir()
+    record = folder / "step6" / COMMIT_RECORD
+    record.write_text(record.read_text().replace('"version": 2', '"version": 3', 1))
+    newer, why = set_aside_unloadable(str(folder / "step6"))
+    assert newer is None and "newer" in why and (folder / "step6").is_dir()
+    (folder / "step12").write_text("a file, not a folder")
+    (folder / "step15" / COMMIT_RECORD).mkdir(parents=True)
+    (folder / "step18").mkdir()
+    (folder / "step18" / COMMIT_RECORD).write_text('{"tool": "mine"}')
+    for name in ("step12", "step15", "step18"):
+        assert set_aside_unloadable(str(folder / name))[0] is None
+        assert (folder / name).exists()
+    # Damaged and ours: moved, and said so even when the folder's fsync fails after the rename.
+    _flip(folder / "step9" / "model_and_optim" / "__0_0.distcp")
+
+    def no_fsync(path: str) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(deleter, "fsync_dir", no_fsync)
+    moved, why = set_aside_unloadable(str(folder / "step9"))
+    assert moved is not None and Path(moved).is_dir() and not (folder / "step9").exists() and moved in why
+
+
+def test_a_run_that_stops_on_its_load_path_moves_nothing(tmp_path: Path) -> None:
+    # Found by an outside attack: the broken checkpoints were moved, then the load_path typo failed.
+    from ckptkeeper import CheckpointNotFoundError
+
+    folder = tmp_path / "run"
+    assert run_to_end(tiny_trainer(str(folder), _cb(), 7, crash_at=6)) is False
+    _flip(folder / "step3" / "model_and_optim" / "__0_0.distcp")
+    _flip(folder / "step6" / "model_and_optim" / "__0_0.distcp")
+    again = tiny_trainer(str(folder), _cb(), 9)
+    again.start_fresh_if_unloadable = True
+    again.load_path = str(tmp_path / "typo")
+    with pytest.raises(CheckpointNotFoundError, match="typo"):
+        again.fit()
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["step3", "step6"]
 
 
 def test_a_record_that_no_longer_parses_counts_as_a_broken_checkpoint(tmp_path: Path) -> None:

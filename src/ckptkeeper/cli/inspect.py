@@ -89,9 +89,9 @@ def _brief(value: Any, depth: int) -> Any:
         return value if len(value) <= 80 else value[:77] + "..."
     if isinstance(value, dict) and depth > 0:
         items = list(value.items())
-        out = {k: _brief(v, depth - 1) for k, v in items[:_BRIEF_KEYS]}
+        out = {_brief(k, 0) if isinstance(k, str) else k: _brief(v, depth - 1) for k, v in items[:_BRIEF_KEYS]}
         if len(items) > _BRIEF_KEYS:
-            out["..."] = f"{len(items) - _BRIEF_KEYS} more (--json shows all)"
+            out[f"<{len(items) - _BRIEF_KEYS} more keys: --json shows all>"] = "..."
         return out
     return type(value).__name__
 
@@ -104,15 +104,18 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=1, default=str))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     # Written to a log or a pipe, lines keep their width instead of folding into 80 (as ls does).
     console = Console() if sys.stdout.isatty() else Console(width=200)
     rec = info["record"] or {}
-    console.print(f"[bold]{args.path}[/bold] ({rec.get('format', '?')})")
+    # Paths, names and stored strings are the user's: shown as text, never read as Rich markup
+    # (a folder named "a[/]b" crashed the command: found by an outside attack).
+    console.print(f"[bold]{escape(args.path)}[/bold] ({escape(str(rec.get('format', '?')))})")
     for key in ("step", "ephemeral", "world_size", "version"):
         if key in rec:
-            console.print(f"  {key}: {rec[key]}")
+            console.print(f"  {key}: {escape(str(rec[key]))}")
     if "files" in rec:
         console.print(f"  files: {len(rec['files'])} listed with sizes and xxh3-64 checksums")
     # The user's own trainer state (``train_state``, e.g. {"epoch": 3}) one level deeper: it was
@@ -123,7 +126,12 @@ def run(args: argparse.Namespace) -> int:
     for col in ("name", "shape", "dtype", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
     for t in info["tensors"]:
-        table.add_row(t["name"], str(t["shape"]), t["dtype"], human(t["bytes"]) if t["bytes"] is not None else "-")
+        table.add_row(
+            escape(t["name"]),
+            str(t["shape"]),
+            escape(str(t["dtype"])),
+            human(t["bytes"]) if t["bytes"] is not None else "-",
+        )
     console.print(table)
     console.print(f"{len(info['tensors'])} tensors, {human(info['total_tensor_bytes'])} of tensor data, "
                   f"{human(info['total_file_bytes'])} on storage")  # fmt: skip

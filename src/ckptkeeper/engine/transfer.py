@@ -18,7 +18,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, CorruptCheckpointError
 from ..storage import Storage, storage_for
 from ..storage.layout import COMMIT_RECORD, parse_step, scratch_name, step_dir_name
 from ..storage.local import fsync_dir, translate_os_error
@@ -76,6 +76,16 @@ def copy_checkpoint(
         except FileNotFoundError:
             same = False
         if same:
+            # The same record is not yet the same bytes: a damaged copy there (the very copy a
+            # "restore it from a copy" may reach for) was reported as already held (found by an
+            # outside attack). Checked whole, as a copy is once written.
+            try:
+                discovery.verify(final)
+            except CorruptCheckpointError as exc:
+                raise ConfigurationError(
+                    f"{final} holds this checkpoint's record but its files do not verify ({exc}); remove it "
+                    f"(ckptkeeper rm {final}) and copy again"
+                ) from None
             log.info("%s already holds this checkpoint; left as it is", final)
             return final, False
         raise ConfigurationError(
