@@ -110,6 +110,9 @@ def test_rm_removes_the_step_folder(tmp_path: Path, folder: Path) -> None:
     assert "--yes" in refused.stderr
     missing = ck("rm", str(folder / "step99"), "--yes", cwd=tmp_path)
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+    (folder / "step98").write_text("a file")
+    a_file = ck("rm", str(folder / "step98"), "--yes", cwd=tmp_path)
+    assert a_file.returncode == 1 and "is not a folder" in a_file.stderr and (folder / "step98").exists()
 
 
 def test_prune_dry_run_deletes_nothing_then_prunes_by_the_rules(tmp_path: Path, folder: Path) -> None:

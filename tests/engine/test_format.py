@@ -20,6 +20,7 @@ from ckptkeeper import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    ConfigurationError,
     CorruptCheckpointError,
     DiskFullError,
     TrainingState,
@@ -55,6 +56,14 @@ def test_commit_record_lists_every_file_with_size_and_checksum(tmp_path: Path) -
         assert (folder / rel).stat().st_size == entry["bytes"]
     assert res.bytes == sum(e["bytes"] for e in doc["files"].values())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("bad", [123, [1, 2], "epoch", lambda: 7])
+def test_a_train_state_that_is_not_a_mapping_is_a_configuration_error(tmp_path: Path, bad: object) -> None:
+    # A bare TypeError/ValueError came out of the JSON encoding (found by an outside attack).
+    with pytest.raises(ConfigurationError, match="train_state must be a mapping"):
+        Checkpointer().save(str(tmp_path), 3, _state(0), train_state=bad)  # type: ignore[arg-type]
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]  # nothing saved
 
 
 def test_round_trip_restores_model_optimizer_and_train_state(tmp_path: Path) -> None:

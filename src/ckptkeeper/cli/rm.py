@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     with SaveFolderLease(parent):
         if not remove_checkpoint(canon):
-            raise ConfigurationError(f"{canon} does not exist; `ckptkeeper ls {parent}` lists the checkpoints")
+            # A plain file of that name was said not to exist (found by an outside attack).
+            what = "is not a folder" if os.path.lexists(canon) and not os.path.isdir(canon) else "does not exist"
+            raise ConfigurationError(f"{canon} {what}; `ckptkeeper ls {parent}` lists the checkpoints")
     print(f"removed {canon}")
     return 0

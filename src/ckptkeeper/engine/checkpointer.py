@@ -69,7 +69,14 @@ TrainStateArg = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
 
 
 def _train_state_now(train_state: TrainStateArg) -> Mapping[str, Any] | None:
-    return train_state() if callable(train_state) else train_state
+    got = train_state() if callable(train_state) else train_state
+    if got is not None and not isinstance(got, Mapping):
+        # It raised a bare TypeError deep in the JSON encoding (found by an outside attack).
+        raise ConfigurationError(
+            f"train_state must be a mapping of names to JSON values (or a function returning one), got "
+            f"{type(got).__name__}; pass e.g. train_state={{'epoch': 3}}"
+        )
+    return got
 
 
 @dataclasses.dataclass
