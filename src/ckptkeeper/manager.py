@@ -459,7 +459,7 @@ class CheckpointManager:
             return good, broken
 
         candidates, failures = D.on_rank0(survey)
-        paths: list[str] = []  # the broken ones, set aside once the run starts without them
+        unloadable: list[tuple[str, str]] = []  # set aside once the run is sure to start without them
         for path in candidates:
             try:
                 return path, attempt(path)
@@ -472,8 +472,8 @@ class CheckpointManager:
                 raise CorruptCheckpointError(
                     f"none of the {len(failures)} checkpoints in {self.save_folder} can be loaded ({listing}). "
                     "Restore one from a copy, or pass start_fresh_if_unloadable=True (ckptkeeper train: "
-                    "--start-fresh-if-unloadable) to train from scratch; on a local disk those proven damaged are "
-                    "then moved aside (unloadable-step{N}-...), not saved over"
+                    "--start-fresh-if-unloadable) to train from scratch; on a local disk these are then moved "
+                    "aside (unloadable-step{N}-...), not saved over"
                 )
             log.warning(
                 "no checkpoint in %s could be loaded (%s); starting from %s as asked",
@@ -481,9 +481,9 @@ class CheckpointManager:
                 listing,
                 self.load_path or "scratch",
             )
-            paths = sorted({p for p, _ in failures}, key=_step_order)
+            unloadable = sorted(dict(failures).items(), key=lambda f: _step_order(f[0]))
         if self.load_path is None:
-            self._set_aside(paths)
+            self._set_aside(unloadable)
             return None
         load_path = self.load_path
 
@@ -501,22 +501,34 @@ class CheckpointManager:
             )
         # Asked for explicitly: a corrupt load_path raises, there is nothing to fall back to.
         found = resolved, attempt(resolved)
-        self._set_aside(paths)
+        self._set_aside(unloadable)
         return found
 
-    def _set_aside(self, paths: list[str]) -> None:
-        """Move the broken checkpoints ``paths`` aside (rank 0), once the run is sure to start
-        without them: its checkpoint of the same step would replace each one, and with it what a
-        post-mortem needs (found by a newcomer's run). Not before a ``load_path`` has loaded: a run
-        that stops on it moves nothing (found by an outside attack)."""
-        if not paths:
+    def _set_aside(self, failures: list[tuple[str, str]]) -> None:
+        """Move the checkpoints the run starts fresh over aside (rank 0; see
+        :func:`~ckptkeeper.engine.deleter.set_aside_unloadable`), once it is sure to start without
+        them: after a ``load_path`` has loaded, so that a run that stops on it moves nothing
+        (found by an outside attack). Exactly those ``failures`` lists: the ones the user was told
+        could not be loaded, each with why."""
+        if not failures:
             return
-        outcomes = D.on_rank0(lambda: [set_aside_unloadable(p) for p in paths])
-        log.warning(
-            "the checkpoints in %s that could not be loaded: %s",
-            self.save_folder,
-            "; ".join(f"{p}: {why}" for p, (_, why) in zip(paths, outcomes, strict=True)),
-        )
+        paths = [p for p, _ in failures]
+        moved = D.on_rank0(lambda: [set_aside_unloadable(p) for p in paths])
+        for (path, why), where in zip(failures, moved, strict=True):
+            if where is not None:
+                log.warning(
+                    "moved %s, which could not be loaded (%s), to %s: kept for a post-mortem; rename it back to "
+                    "use it (if it is intact after all), or delete it",
+                    path,
+                    why,
+                    where,
+                )
+            else:
+                log.warning(
+                    "%s, which could not be loaded, stays in place (not on a local disk, or the rename failed): a "
+                    "checkpoint this run saves at its step replaces it",
+                    path,
+                )
 
     # ------------------------------------------------------------------ data
 

@@ -197,6 +197,13 @@ def test_paths_that_look_like_rich_markup_are_shown_as_they_are(tmp_path: Path) 
     shown = run_cli("inspect", str(odd / "step5"), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert "a[/]b [bold]x" in shown.stdout and "'[red]k': '[/]v'" in shown.stdout
+    # Nor as emoji codes or terminal controls, and a trailing backslash stays one (an outside attack).
+    odder = tmp_path / "r:fire:\x1b[2J\\"
+    Checkpointer().save(str(odder), 5, st)
+    for args in (["ls", str(odder)], ["inspect", str(odder / "step5")]):
+        out = run_cli(*args, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert "\x1b" not in out.stdout and "r:fire:" in out.stdout and "\\x1b[2J\\" in out.stdout, out.stdout
 
 
 def test_cp_onto_a_damaged_copy_of_the_same_checkpoint_says_so(tmp_path: Path, folder: Path) -> None:
@@ -209,6 +216,11 @@ def test_cp_onto_a_damaged_copy_of_the_same_checkpoint_says_so(tmp_path: Path, f
     again = run_cli("cp", str(folder / "step30"), str(tmp_path / "dst"), cwd=tmp_path)
     assert again.returncode == 1 and "do not verify" in again.stderr and "ckptkeeper rm" in again.stderr
     assert data.read_bytes() == bytes(raw)  # refused: nothing overwritten
+    # A link to the source is no copy of it either (an outside attack: "already holds", exit 0).
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "step30").symlink_to(folder / "step30")
+    linked = run_cli("cp", str(folder / "step30"), str(tmp_path / "links"), cwd=tmp_path)
+    assert linked.returncode == 1 and "symbolic link" in linked.stderr
 
 
 def test_cp_of_a_corrupt_checkpoint_fails_and_leaves_nothing(tmp_path: Path, folder: Path) -> None:

@@ -66,6 +66,30 @@ def test_a_train_state_that_is_not_a_mapping_is_a_configuration_error(tmp_path: 
     assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]  # nothing saved
 
 
+def test_train_state_keys_json_would_merge_are_refused_and_odd_mappings_are_kept_whole(tmp_path: Path) -> None:
+    # Found by an outside attack: {1: "a", "1": "b"} came back as {"1": "b"}, and a mapping whose
+    # len() said 0 was saved as {}.
+    from collections.abc import Mapping
+
+    for bad in ({1: "a", "1": "b"}, {"nested": [{None: 1, "null": 2}]}):
+        with pytest.raises(CheckpointSaveError, match="one value would be lost"):
+            Checkpointer().save(str(tmp_path / "bad"), 3, _state(0), train_state=bad)  # type: ignore[arg-type]
+
+    class Odd(Mapping[str, int]):
+        def __getitem__(self, key: str) -> int:
+            return {"epoch": 4}[key]
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(["epoch"])
+
+        def __len__(self) -> int:
+            return 0
+
+    ckpt = Checkpointer()
+    ckpt.save(str(tmp_path / "ok"), 3, _state(0), train_state=Odd())
+    assert ckpt.load(str(tmp_path / "ok" / "step3"), _state(1)) == {"epoch": 4}
+
+
 def test_round_trip_restores_model_optimizer_and_train_state(tmp_path: Path) -> None:
     src = _state(0)
     ckpt = Checkpointer()

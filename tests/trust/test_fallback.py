@@ -90,44 +90,69 @@ def test_a_broken_checkpoint_on_an_object_store_stays_in_place_and_listings_go_i
     url = "memory://bucket/run/step3"
     storage = storage_for(url)
     storage.write_bytes(storage.join(url, "a.bin"), b"broken")
-    assert set_aside_unloadable(url)[0] is None  # no rename on an object store: nothing copied or deleted
+    assert set_aside_unloadable(url) is None  # no rename on an object store: nothing copied or deleted
     assert storage.read_bytes(storage.join(url, "a.bin")) == b"broken"
     paths = ["/r/step10", "/r/step5", "s3://b/r/step0", "/r/step100"]
     assert sorted(paths, key=_step_order) == ["s3://b/r/step0", "/r/step5", "/r/step10", "/r/step100"]
 
 
-def test_only_a_checkpoint_proven_ours_and_damaged_is_set_aside(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_whatever_could_not_be_loaded_is_set_aside_whole_never_saved_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Found by an outside attack: an intact checkpoint a run could not use (another trainer's, a
-    # newer format's), a plain file named step{N}, a foreign record, and a move whose fsync failed.
+    # Found by outside attacks: moving only the provably damaged ones left the rest (intact but
+    # unusable, a newer format's, an emptied record) to be saved over, or to stop the run at
+    # their step; a symlinked one must move as a link.
+    folder = tmp_path / "run"
+    outside = tmp_path / "elsewhere"
+    tiny_trainer(str(outside), _cb(), 3).fit()
+    tiny_trainer(str(folder), _cb(), 12).fit()
+    _flip(folder / "step3" / "model_and_optim" / "__0_0.distcp")  # damaged
+    record = folder / "step6" / COMMIT_RECORD  # written by a "newer" ckptkeeper
+    record.write_text(record.read_text().replace('"version": 2', '"version": 3', 1))
+    ts = folder / "step9" / "train" / "rank0.json"  # intact, checksums and all, but not usable
+    doc = json.loads(ts.read_text())
+    doc["train_state"]["global_step"] = "nine"
+    forge(folder / "step9", "train/rank0.json", json.dumps(doc).encode())
+    (folder / "step12" / COMMIT_RECORD).write_bytes(b"")  # an emptied record
+    _flip(outside / "step3" / "model_and_optim" / "__0_0.distcp")
+    (folder / "step15").symlink_to(outside / "step3")
+    before = {
+        step: {p.relative_to(folder / step): p.read_bytes() for p in (folder / step).rglob("*") if p.is_file()}
+        for step in ("step3", "step6", "step9", "step12")
+    }
+
+    def files_of(root: Path) -> dict[Path, bytes]:
+        return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+    target = files_of(outside / "step3")
+    again = tiny_trainer(str(folder), _cb(), 15)
+    again.start_fresh_if_unloadable = True
+    with caplog.at_level(logging.WARNING, logger="ckptkeeper"):
+        again.fit()  # saves steps 3..15 again: none collides with what was there
+    assert again.start_step == 0
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(folder))] == [3, 6, 9, 12, 15]
+    for step, files in before.items():
+        (aside,) = sorted(folder.glob(f"unloadable-{step}-*"))
+        assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == files
+        assert str(aside) in caplog.text
+    (link,) = sorted(folder.glob("unloadable-step15-*"))
+    assert link.is_symlink() and link.resolve() == (outside / "step3").resolve()
+    assert files_of(outside / "step3") == target  # the link's target is never touched
+    assert "rename it back" in caplog.text
+
+
+def test_a_move_whose_fsync_fails_is_still_reported_as_moved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptkeeper.engine import deleter
-    from ckptkeeper.engine.deleter import set_aside_unloadable
 
     folder = tmp_path / "run"
-    tiny_trainer(str(folder), _cb(), 9).fit()
-    intact, why = set_aside_unloadable(str(folder / "step3"))
-    assert intact is None and "verifies" in why and (folder / "step3").is_dir()
-    record = folder / "step6" / COMMIT_RECORD
-    record.write_text(record.read_text().replace('"version": 2', '"version": 3', 1))
-    newer, why = set_aside_unloadable(str(folder / "step6"))
-    assert newer is None and "newer" in why and (folder / "step6").is_dir()
-    (folder / "step12").write_text("a file, not a folder")
-    (folder / "step15" / COMMIT_RECORD).mkdir(parents=True)
-    (folder / "step18").mkdir()
-    (folder / "step18" / COMMIT_RECORD).write_text('{"tool": "mine"}')
-    for name in ("step12", "step15", "step18"):
-        assert set_aside_unloadable(str(folder / name))[0] is None
-        assert (folder / name).exists()
-    # Damaged and ours: moved, and said so even when the folder's fsync fails after the rename.
-    _flip(folder / "step9" / "model_and_optim" / "__0_0.distcp")
+    tiny_trainer(str(folder), _cb(), 3).fit()
 
     def no_fsync(path: str) -> None:
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(deleter, "fsync_dir", no_fsync)
-    moved, why = set_aside_unloadable(str(folder / "step9"))
-    assert moved is not None and Path(moved).is_dir() and not (folder / "step9").exists() and moved in why
+    moved = deleter.set_aside_unloadable(str(folder / "step3"))
+    assert moved is not None and Path(moved).is_dir() and not (folder / "step3").exists()
 
 
 def test_a_run_that_stops_on_its_load_path_moves_nothing(tmp_path: Path) -> None:

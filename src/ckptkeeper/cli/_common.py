@@ -5,14 +5,28 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..errors import ConfigurationError
 
-__all__ = ["UsageError", "confirm", "human", "progress", "require_local"]
+__all__ = ["UsageError", "confirm", "human", "progress", "require_local", "shown"]
 
 
 class UsageError(ConfigurationError):
     """Flags that do not go together, found after parsing: exit code 2, as argparse gives bad arguments."""
+
+
+# Control characters (C0, DEL, C1) as \xNN: a name from a hostile checkpoint must not move the
+# cursor, clear the screen or retitle the terminal (found by an outside attack).
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def shown(text: str) -> Any:
+    """``text`` (a path, a name, a checkpoint's words) as a Rich ``Text``: printed as it is, never
+    read as markup or emoji codes, control characters written out."""
+    from rich.text import Text
+
+    return Text(str(text).translate(_CONTROLS))
 
 
 def human(n: int) -> str:

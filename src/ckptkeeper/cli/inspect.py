@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from ..errors import CkptkeeperError
-from ._common import human, require_local
+from ._common import human, require_local, shown
 
 __all__ = ["add_parser", "describe", "run"]
 
@@ -104,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=1, default=str))
         return 0
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     # Written to a log or a pipe, lines keep their width instead of folding into 80 (as ls does).
@@ -112,24 +111,26 @@ def run(args: argparse.Namespace) -> int:
     rec = info["record"] or {}
     # Paths, names and stored strings are the user's: shown as text, never read as Rich markup
     # (a folder named "a[/]b" crashed the command: found by an outside attack).
-    console.print(f"[bold]{escape(args.path)}[/bold] ({escape(str(rec.get('format', '?')))})")
+    head = shown(args.path)
+    head.stylize("bold")
+    console.print(head + shown(f" ({rec.get('format', '?')})"))
     for key in ("step", "ephemeral", "world_size", "version"):
         if key in rec:
-            console.print(f"  {key}: {escape(str(rec[key]))}")
+            console.print(shown(f"  {key}: {rec[key]}"))
     if "files" in rec:
         console.print(f"  files: {len(rec['files'])} listed with sizes and xxh3-64 checksums")
     # The user's own trainer state (``train_state``, e.g. {"epoch": 3}) one level deeper: it was
     # only named as a dict, and shown only with --json (found by a newcomer).
     summary = {k: _brief(v, 1 if k == "train_state" else 0) for k, v in info["train_state"].items()}
-    console.print(f"  trainer state: {summary}", markup=False, highlight=False)
+    console.print(shown(f"  trainer state: {summary}"))
     table = Table(title="tensors")
     for col in ("name", "shape", "dtype", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
     for t in info["tensors"]:
         table.add_row(
-            escape(t["name"]),
+            shown(t["name"]),
             str(t["shape"]),
-            escape(str(t["dtype"])),
+            shown(t["dtype"]),
             human(t["bytes"]) if t["bytes"] is not None else "-",
         )
     console.print(table)

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import CkptkeeperError
 from ..storage import storage_for
-from ._common import human
+from ._common import human, shown
 
 __all__ = ["add_parser", "local_problem", "run"]
 
@@ -104,17 +104,16 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0 if all(v == "ok" for v in verified.values()) else 1
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     # Written to a log or a pipe, the table keeps its columns instead of folding into 80.
     console = Console() if sys.stdout.isatty() else Console(width=200)
     if not infos:
-        console.print(f"no checkpoint folders in {escape(args.path)}")
+        console.print(shown(f"no checkpoint folders in {args.path}"))
         return 0
-    # The path and problems are shown as text, never read as Rich markup (a folder named "a[/]b"
-    # crashed the command: found by an outside attack).
-    table = Table(title=f"checkpoints in {escape(args.path)}")
+    # The path and problems are shown as text (shown()), never read as Rich markup: a folder named
+    # "a[/]b" crashed the command (found by an outside attack).
+    table = Table(title=shown(f"checkpoints in {args.path}"))
     columns = ["step", "kind", "complete", "size", "created (UTC)", "format", "problem"]
     if args.verify:
         columns.insert(3, "verified")
@@ -127,6 +126,6 @@ def run(args: argparse.Namespace) -> int:
                  getattr(i, "flavor", "ckptkeeper"), i.problem or ""]  # fmt: skip
         if args.verify:
             cells.insert(3, verified.get(i.step, "-"))
-        table.add_row(*map(escape, cells))
+        table.add_row(*map(shown, cells))
     console.print(table)
     return 0 if all(v == "ok" for v in verified.values()) else 1

@@ -127,7 +127,7 @@ def add_parser(sub: Any) -> None:
         "--start-fresh-if-unloadable",
         action="store_true",
         help="when the save folder holds checkpoints and none of them loads, train from scratch instead of "
-        "stopping; on a local disk the checkpoints proven damaged are moved aside to unloadable-step{N}-<hex> "
+        "stopping; on a local disk those checkpoints are first moved aside to unloadable-step{N}-<hex> "
         "(kept for a post-mortem, never listed or removed), so this run's checkpoints do not replace them",
     )
     p.set_defaults(func=run)

@@ -626,56 +626,33 @@ def sweep_dead_spools(base: str) -> list[str]:
 UNLOADABLE_PREFIX = "unloadable-"
 
 
-def set_aside_unloadable(path: str) -> tuple[str | None, str]:
-    """Move the broken checkpoint folder ``path`` to ``unloadable-step{N}-{8 hex}`` beside it;
-    (where it is now, or None where it stays; why, in words for the log).
+def set_aside_unloadable(path: str) -> str | None:
+    """Move the step folder ``path`` to ``unloadable-step{N}-{8 hex}`` beside it; where it is now
+    (None where it stays: on an object store, or where the rename is refused, which is logged).
 
-    For a run that starts fresh over checkpoints none of which loads: its own checkpoint of the
-    same step would otherwise replace the broken one, and with it what a post-mortem needs. Only a
-    folder proven ours and proven damaged moves, so that nothing a later run or a newer
-    ckptkeeper could still use is hidden from it (each found by an outside attack): its record
-    must be ckptkeeper's by the rule removals use (:func:`local_record_is_ours`), of a format
-    version this ckptkeeper reads, every file in it readable by this process, and a full
-    verification must fail. A checkpoint that verifies (refused by a trainer, say) stays. Object
-    stores keep every one in place: a folder there cannot be renamed, only copied object by object.
+    For a run that starts fresh over the checkpoints the user was told none of which loads: its
+    own checkpoint of the same step would otherwise replace each one (or, for one that is not
+    provably ckptkeeper's, stop the run when it comes to that step). A rename loses nothing: what
+    a post-mortem needs stays, and one that was intact after all (refused by another trainer,
+    written by a newer ckptkeeper, unreadable for a while) is used again by renaming it back.
+    Deciding here which of them deserve it went wrong every way (found by outside attacks):
+    those left in place were saved over. A symlinked step folder moves as a link; its target is
+    never touched. Object stores keep them in place: a folder there cannot be renamed, only
+    copied object by object.
     """
-    from .discovery import verify  # (discovery imports this module's neighbours; imported when used)
-    from .record import FORMAT_VERSION
-
     storage = storage_for(path)
     local = storage.local_path(path) if storage.supports_rename else None
     if local is None:
-        return None, "left in place (an object store cannot rename a folder)"
-    if os.path.islink(local) or not os.path.isdir(local) or not local_record_is_ours(local):
-        return None, "left in place (not provably a ckptkeeper checkpoint)"
-    try:
-        with os.fdopen(open_regular(os.path.join(local, COMMIT_RECORD)), "rb") as f:
-            version = json.loads(f.read(MAX_RECORD_BYTES + 1)).get("version")
-        newer = isinstance(version, int) and version > FORMAT_VERSION
-    except (OSError, ValueError, AttributeError):
-        newer = False  # damaged: verify decides below
-    if newer:
-        return None, f"left in place (format version {version}, newer than this ckptkeeper: upgrade to load it)"
-    for dirpath, dirs, names in os.walk(local):
-        if not all(os.access(os.path.join(dirpath, n), os.R_OK) for n in names) or not all(
-            os.access(os.path.join(dirpath, d), os.R_OK | os.X_OK) for d in dirs
-        ):
-            return None, "left in place (some of its files cannot be read by this process: check permissions)"
-    try:
-        verify(path)
-    except CorruptCheckpointError:
-        pass
-    else:
-        return None, "left in place (it verifies: intact, but not usable by this run)"
+        return None
     parent, name = os.path.split(os.path.normpath(local))
     aside = os.path.join(parent, f"{UNLOADABLE_PREFIX}{name}-{secrets.token_hex(4)}")
     try:
-        os.rename(local, aside)  # a symlinked step folder never comes here (checked above)
+        os.rename(local, aside)
     except OSError as exc:
-        log.warning("could not move the broken checkpoint %s aside (%s); it stays where it is", path, exc)
-        return None, f"left in place (the rename failed: {exc.strerror})"
+        log.warning("could not move %s aside (%s); it stays where it is", path, exc)
+        return None
     try:
         fsync_dir(parent or ".")
     except OSError as exc:  # moved all the same: say where (found by an outside attack)
         log.warning("moved %s to %s, but could not make the rename durable (%s)", path, aside, exc)
-    return aside, f"moved to {aside}"
+    return aside

@@ -150,7 +150,14 @@ def final_path(save_folder: str, step: int) -> str:
 
 def train_payload(step: int, train_state: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> bytes:
     """The trainer-state file's content, serialised now so later changes to the caller's objects cannot leak in."""
-    doc = {"step": step, "train_state": dict(train_state or {}), "state_meta": meta}
+    # (Not "train_state or {}": a mapping's truth is its len(), which an odd one may get wrong.)
+    doc = {"step": step, "train_state": dict(train_state) if train_state is not None else {}, "state_meta": meta}
+    clash = _clashing_key(doc["train_state"])
+    if clash is not None:
+        raise CheckpointSaveError(
+            f"step {step}: the train_state holds keys {clash} in one dict, which JSON stores as one key (keys are "
+            "stored as strings): one value would be lost; give them different names"
+        )
     try:
         return json.dumps(doc).encode()
     except (TypeError, ValueError) as exc:
@@ -166,6 +173,35 @@ def train_payload(step: int, train_state: Mapping[str, Any] | None, meta: Mappin
             f"step {step}: the state's non-tensor values cannot be stored as JSON ({exc}); keep state_dict() "
             "values to tensors, numbers, strings, lists and dicts"
         ) from exc
+
+
+def _clashing_key(value: Any) -> str | None:
+    """Two keys of one dict in ``value`` that JSON writes alike (``1`` and ``"1"``, ``None`` and
+    ``"null"``), as words; None when there are none. JSON would keep the second silently (found by
+    an outside attack). Only dicts with a key that is not a string are looked at closely."""
+    stack, seen = [value], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue  # (a cycle: json.dumps reports it)
+        seen.add(id(node))
+        if isinstance(node, dict):
+            if not all(type(k) is str for k in node):
+                written: dict[str, Any] = {}
+                for k in node:
+                    if isinstance(k, str):
+                        as_json = k
+                    elif k is None or isinstance(k, (int, float)):
+                        as_json = next(iter(json.loads(json.dumps({k: 0}))))  # json's own spelling of it
+                    else:
+                        continue  # a key json refuses (a tuple): json.dumps names it
+                    if as_json in written:
+                        return f"{written[as_json]!r} and {k!r}"
+                    written[as_json] = k
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return None
 
 
 def checked_metrics(step: int, metrics: Mapping[str, float] | None) -> dict[str, float] | None:

@@ -70,6 +70,13 @@ def copy_checkpoint(
     files, marker = _source_files(src)
     dst: Storage = storage_for(dst_folder)
     final = dst.join(dst_folder, step_dir_name(step))
+    final_local = dst.local_path(final)
+    if final_local is not None and os.path.islink(final_local):
+        # A link to the source passed for a copy of it (found by an outside attack): a copy is a
+        # folder of its own.
+        raise ConfigurationError(
+            f"{final} is a symbolic link (to {os.readlink(final_local)}), not a copy; remove the link and copy again"
+        )
     if _exists(dst, final):
         try:
             same = dst.read_bytes(dst.join(final, COMMIT_RECORD)) == marker and discovery.inspect(final)[1] is None
