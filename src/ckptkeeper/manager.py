@@ -220,6 +220,7 @@ class CheckpointManager:
         """The training step: the one restored, then the one last passed to :meth:`save_if_due`/:meth:`save`."""
         self.start_step = 0
         self.checkpoint_loaded = False
+        self._picked_fresh = False  # pick() chose to start fresh: restore() loads nothing
         self.loaded_from: str | None = None
         self.preempted = False
         """True once a preemption signal was handled (with ``exit_on_signal=False``)."""
@@ -316,7 +317,7 @@ class CheckpointManager:
             # first save_if_due instead of killing the process mid-restore.
             self._install_signals()
             self.open()
-            if not self.checkpoint_loaded:
+            if not self.checkpoint_loaded and not self._picked_fresh:
                 self._resume()
             self.start_step = self.step
             if begin:
@@ -422,7 +423,8 @@ class CheckpointManager:
         full checksum verification of every file as the test instead of a load. For frameworks
         that read the trainer state before their model and optimizer exist; None: nothing to load.
         ``accept(path, train_state)`` may refuse a checkpoint by raising CorruptCheckpointError
-        (one another trainer wrote, say): the next older one is tried.
+        (one another trainer wrote, say): the next older one is tried. Once it has answered None,
+        :meth:`restore` loads nothing either: it would try the same checkpoints without ``accept``.
         """
         from .engine.reader import read_train_state
 
@@ -438,7 +440,11 @@ class CheckpointManager:
                 accept(path, usable)
             return usable
 
-        return self._first_good(verified)
+        found = self._first_good(verified)
+        # (restore() loaded a checkpoint pick() had refused, left in place on an object store or
+        # where the rename failed: found by an outside attack.)
+        self._picked_fresh = found is None
+        return found
 
     def _first_good(self, attempt: Callable[[str], _T]) -> tuple[str, _T] | None:
         """Try ``attempt`` on the folder's checkpoints, newest first, then on ``load_path``.
@@ -462,10 +468,20 @@ class CheckpointManager:
         unloadable: list[tuple[str, str]] = []  # set aside once the run is sure to start without them
         for path in candidates:
             try:
-                return path, attempt(path)
+                found = path, attempt(path)
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 log.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
                 failures.append((path, str(exc)))
+                continue
+            # The newer ones it skipped: the resumed run saves their steps again, which replaced
+            # them (one a newer ckptkeeper wrote, intact, included: found by an outside attack).
+            at = _step_order(path)[0]
+            self._set_aside(
+                sorted(
+                    (f for f in dict(failures).items() if _step_order(f[0])[0] > at), key=lambda f: _step_order(f[0])
+                )
+            )
+            return found
         if failures:
             listing = "; ".join(f"{p}: {why}" for p, why in sorted(failures, key=lambda f: _step_order(f[0])))
             if not self.start_fresh_if_unloadable:
@@ -505,11 +521,12 @@ class CheckpointManager:
         return found
 
     def _set_aside(self, failures: list[tuple[str, str]]) -> None:
-        """Move the checkpoints the run starts fresh over aside (rank 0; see
-        :func:`~ckptkeeper.engine.deleter.set_aside_unloadable`), once it is sure to start without
-        them: after a ``load_path`` has loaded, so that a run that stops on it moves nothing
-        (found by an outside attack). Exactly those ``failures`` lists: the ones the user was told
-        could not be loaded, each with why."""
+        """Move aside (rank 0; see :func:`~ckptkeeper.engine.deleter.set_aside_unloadable`) the
+        checkpoints ``failures`` lists, each with why it could not be loaded: the ones a fresh
+        start goes over, or the newer ones a fallback skipped, whose steps the run saves again.
+        Called once the run is sure to start without them: after the checkpoint it resumes from,
+        or a ``load_path``, has loaded, so that a run that stops on it moves nothing (found by an
+        outside attack)."""
         if not failures:
             return
         paths = [p for p, _ in failures]
@@ -525,9 +542,11 @@ class CheckpointManager:
                 )
             else:
                 log.warning(
-                    "%s, which could not be loaded, stays in place (not on a local disk, or the rename failed): a "
-                    "checkpoint this run saves at its step replaces it",
+                    "%s, which could not be loaded (%s), stays in place (not on a local disk, or it could not be "
+                    "renamed); a save of its step by this run replaces it, or stops at it if it is not "
+                    "ckptkeeper's: copy it elsewhere now if you need it",
                     path,
+                    why,
                 )
 
     # ------------------------------------------------------------------ data

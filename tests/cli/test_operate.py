@@ -206,6 +206,31 @@ def test_paths_that_look_like_rich_markup_are_shown_as_they_are(tmp_path: Path) 
         assert "\x1b" not in out.stdout and "r:fire:" in out.stdout and "\\x1b[2J\\" in out.stdout, out.stdout
 
 
+def test_words_from_a_checkpoint_cannot_drive_the_terminal_or_forge_a_line(tmp_path: Path) -> None:
+    # Found by an outside attack: verify and the one-line errors printed a tensor's name raw, so a
+    # name holding escapes or a newline retitled the terminal or printed a forged "OK" line.
+    from torch import nn
+
+    from ckptkeeper import TrainingState
+
+    from ..helpers import forge
+
+    model = nn.Module()
+    name = "\x1b]0;PWNED\x07t\x1b[31m\nOK      run/step1: 9 KiB, sizes and checksums match\n\u202e"
+    model.register_parameter(name, nn.Parameter(torch.ones(64)))
+    Checkpointer().save(str(tmp_path / "run"), 1, TrainingState(model))
+    data = tmp_path / "run" / "step1" / "model_and_optim" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    forge(tmp_path / "run" / "step1", "model_and_optim/__0_0.distcp", bytes(raw))  # the file checksum matches
+    for args in (["verify", "run"], ["cp", "run/step1", "copy"]):
+        out = run_cli(*args, cwd=tmp_path)
+        assert out.returncode == 1, (args, out.stdout, out.stderr)
+        text = out.stdout + out.stderr
+        assert "\x1b" not in text and "\u202e" not in text and "PWNED" in text, text
+        assert not [line for line in text.splitlines() if line.startswith("OK")], text
+
+
 def test_cp_onto_a_damaged_copy_of_the_same_checkpoint_says_so(tmp_path: Path, folder: Path) -> None:
     # Found by an outside attack: it printed "already holds ... nothing copied" and exited 0.
     assert main(["cp", str(folder / "step30"), str(tmp_path / "dst")]) == 0
@@ -221,6 +246,11 @@ def test_cp_onto_a_damaged_copy_of_the_same_checkpoint_says_so(tmp_path: Path, f
     (tmp_path / "links" / "step30").symlink_to(folder / "step30")
     linked = run_cli("cp", str(folder / "step30"), str(tmp_path / "links"), cwd=tmp_path)
     assert linked.returncode == 1 and "symbolic link" in linked.stderr
+    # Nor is the source folder itself, however it is spelled.
+    (tmp_path / "alias").symlink_to(folder)
+    for dst in (str(tmp_path / "alias"), str(folder) + "/./", f"file://{folder}"):
+        same = run_cli("cp", str(folder / "step30"), dst, cwd=tmp_path)
+        assert same.returncode == 1 and "itself" in same.stderr, (dst, same.stdout, same.stderr)
 
 
 def test_cp_of_a_corrupt_checkpoint_fails_and_leaves_nothing(tmp_path: Path, folder: Path) -> None:

@@ -71,6 +71,8 @@ def test_train_state_keys_json_would_merge_are_refused_and_odd_mappings_are_kept
     # len() said 0 was saved as {}.
     from collections.abc import Mapping
 
+    with pytest.raises(CheckpointSaveError, match="JSON"):  # an int key too long to write: no bare ValueError
+        Checkpointer().save(str(tmp_path / "bad"), 3, _state(0), train_state={10**5000: 1})  # type: ignore[dict-item]
     for bad in ({1: "a", "1": "b"}, {"nested": [{None: 1, "null": 2}]}):
         with pytest.raises(CheckpointSaveError, match="one value would be lost"):
             Checkpointer().save(str(tmp_path / "bad"), 3, _state(0), train_state=bad)  # type: ignore[arg-type]

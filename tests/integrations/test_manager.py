@@ -111,6 +111,27 @@ def test_all_checkpoints_corrupt_raises_unless_asked_to_start_fresh(tmp_path: Pa
     assert start == 0
 
 
+def test_restore_loads_nothing_once_pick_chose_to_start_fresh() -> None:
+    # Found by an outside attack: with the refused checkpoints left in place (an object store),
+    # restore() tried them again without pick()'s accept rule and loaded one.
+    folder = "memory://pick-then-restore/run"
+    _run(folder, 4, config=CheckpointPolicyConfig(save_interval=2, save_async=False))
+    model, opt, sched, _ = _setup(seed=5)
+    fresh = state_digest(model, opt)
+    mgr = CheckpointManager(folder, model=model, optimizer=opt, extra_state={"sched": sched},
+                            start_fresh_if_unloadable=True)  # fmt: skip
+    mgr.open()
+
+    def refuse(path: str, ts: dict[str, Any]) -> None:
+        raise CorruptCheckpointError(f"{path}: written by another trainer")
+
+    assert mgr.pick(accept=refuse) is None
+    assert mgr.restore() == 0 and not mgr.checkpoint_loaded
+    assert state_digest(model, opt) == fresh
+    mgr.close(final_save=False)
+    assert {2, 4} <= set(_steps_on_disk(folder))  # left in place on the object store, not saved over yet
+
+
 def test_misuse_gets_clear_errors(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(ConfigurationError, match="model"):

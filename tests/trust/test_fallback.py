@@ -171,6 +171,41 @@ def test_a_run_that_stops_on_its_load_path_moves_nothing(tmp_path: Path) -> None
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["step3", "step6"]
 
 
+def test_a_fallback_sets_aside_the_newer_checkpoints_it_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by an outside attack: resuming from step 3 past a step 6 written by a newer ckptkeeper
+    # (intact) saved step 6 again over it, logging only "saved step 6".
+    folder = tmp_path / "run"
+    assert run_to_end(tiny_trainer(str(folder), _cb(), 7, crash_at=6)) is False
+    record = folder / "step6" / COMMIT_RECORD
+    newer = record.read_text().replace('"version": 2', '"version": 3', 1)
+    record.write_text(newer)
+    with caplog.at_level(logging.WARNING, logger="ckptkeeper"):
+        t = tiny_trainer(str(folder), _cb(), 9)
+        t.fit()
+    assert t.start_step == 3
+    (aside,) = sorted(folder.glob("unloadable-step6-*"))
+    assert (aside / COMMIT_RECORD).read_text() == newer and str(aside) in caplog.text
+    assert [s for s, _ in Checkpointer().find_checkpoints(str(folder))] == [3, 6, 9]
+    assert not list(folder.glob("unloadable-step3-*"))  # the one it resumed from stays
+
+
+def test_set_aside_stays_beside_the_folder_the_kernel_finds(tmp_path: Path) -> None:
+    # Found by an outside attack: normpath turned "link/../run" into a different "run" than the
+    # kernel reaches through the link, and the checkpoint left its save folder.
+    from ckptkeeper.engine.deleter import set_aside_unloadable
+
+    (tmp_path / "B" / "deep").mkdir(parents=True)
+    (tmp_path / "A" / "run").mkdir(parents=True)
+    (tmp_path / "A" / "link").symlink_to(tmp_path / "B" / "deep")
+    tiny_trainer(str(tmp_path / "B" / "run"), _cb(), 3).fit()
+    moved = set_aside_unloadable(str(tmp_path / "A" / "link" / ".." / "run" / "step3"))
+    assert moved is not None
+    assert [p.name.startswith("unloadable-step3-") for p in (tmp_path / "B" / "run").iterdir()].count(True) == 1
+    assert list((tmp_path / "A" / "run").iterdir()) == []
+
+
 def test_a_record_that_no_longer_parses_counts_as_a_broken_checkpoint(tmp_path: Path) -> None:
     folder = tmp_path / "run"
     tiny_trainer(str(folder), _cb(), 3).fit()

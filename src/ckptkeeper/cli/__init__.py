@@ -21,7 +21,7 @@ from typing import NoReturn
 from .._version import __version__
 from ..errors import CkptkeeperError
 from . import bench, cp, export, inspect, ls, prune, rm, train, verify
-from ._common import UsageError
+from ._common import UsageError, plain
 
 __all__ = ["main"]
 
@@ -80,7 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except CkptkeeperError as exc:
-        text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line, always
+        # One line, always, and the checkpoint's words in it written out (a tensor name holding
+        # terminal escapes or a newline and a forged "OK" line: found by an outside attack).
+        text = plain("; ".join(line.strip() for line in str(exc).splitlines() if line.strip()))
         print(f"ckptkeeper {args.command}: error: {text}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     except KeyboardInterrupt:

@@ -9,24 +9,31 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-__all__ = ["UsageError", "confirm", "human", "progress", "require_local", "shown"]
+__all__ = ["UsageError", "confirm", "human", "plain", "progress", "require_local", "shown"]
 
 
 class UsageError(ConfigurationError):
     """Flags that do not go together, found after parsing: exit code 2, as argparse gives bad arguments."""
 
 
-# Control characters (C0, DEL, C1) as \xNN: a name from a hostile checkpoint must not move the
-# cursor, clear the screen or retitle the terminal (found by an outside attack).
+# Control characters (C0, DEL, C1) and the bidirectional overrides as \xNN / \uNNNN: words from a
+# hostile checkpoint must not move the cursor, clear the screen, retitle the terminal, forge a line
+# of output or read backwards (found by outside attacks).
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_CONTROLS.update({c: f"\\u{c:04x}" for c in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))})
 
 
-def shown(text: str) -> Any:
+def plain(text: object) -> str:
+    """``text`` with every control character written out, for a terminal or a log line."""
+    return str(text).translate(_CONTROLS)
+
+
+def shown(text: object) -> Any:
     """``text`` (a path, a name, a checkpoint's words) as a Rich ``Text``: printed as it is, never
-    read as markup or emoji codes, control characters written out."""
+    read as markup or emoji codes, control characters written out (:func:`plain`)."""
     from rich.text import Text
 
-    return Text(str(text).translate(_CONTROLS))
+    return Text(plain(text))
 
 
 def human(n: int) -> str:

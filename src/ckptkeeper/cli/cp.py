@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ..errors import CkptkeeperError
-from ._common import human, progress, require_local
+from ._common import human, plain, progress, require_local
 
 __all__ = ["add_parser", "run"]
 
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         sources = [i.path for i in infos if i.complete]
         for i in infos:
             if not i.complete:
-                print(f"skipping incomplete {i.path}: {i.problem}", file=sys.stderr)
+                print(plain(f"skipping incomplete {i.path}: {i.problem}"), file=sys.stderr)
         if not sources:
             print(f"ckptkeeper cp: error: no complete checkpoint in {src}", file=sys.stderr)
             return 1
@@ -65,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
                     raise
                 # Rescuing a run: carry on with the other checkpoints, and fail at the end.
                 failed += 1
-                print(f"ckptkeeper cp: error: {s}: {exc}", file=sys.stderr)
+                print(plain(f"ckptkeeper cp: error: {s}: {exc}"), file=sys.stderr)
                 continue
             if copied:
-                print(f"copied {s} -> {out} ({human(total)}, verified)")
+                print(plain(f"copied {s} -> {out} ({human(total)}, verified)"))
             else:
-                print(f"{out} already holds {s} (the same commit record): nothing copied")
+                print(plain(f"{out} already holds {s} (the same commit record): nothing copied"))
     return 1 if failed else 0

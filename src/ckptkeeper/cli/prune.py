@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from ._common import UsageError, confirm, human, require_local
+from ._common import UsageError, confirm, human, plain, require_local
 from .train import int_in_range
 
 __all__ = ["add_parser", "run"]
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     freed = sum(complete[s].bytes for s in plan.remove)
     verb = "would remove" if args.dry_run else "remove"
     for step in plan.remove:
-        print(f"{verb:<7} step {step} ({human(complete[step].bytes)}) {complete[step].path}")
+        print(plain(f"{verb:<7} step {step} ({human(complete[step].bytes)}) {complete[step].path}"))
     if not plan.remove:
         print("nothing to remove")
         return 0

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from ..errors import CkptkeeperError
 from ..storage import parse_step, storage_for
-from ._common import human, progress
+from ._common import human, plain, progress
 from .ls import local_problem
 
 __all__ = ["add_parser", "checkpoints_under", "run"]
@@ -80,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         for r in rows:
             if r["ok"]:
                 extra = f" ({r['note']})" if r.get("note") else ", sizes and checksums match"
-                print(f"OK      {r['path']}: {human(r['bytes'])}{extra}")
+                print(plain(f"OK      {r['path']}: {human(r['bytes'])}{extra}"))
             else:
-                print(f"FAILED  {r['path']}: {r['problem']}", file=sys.stdout)
+                print(plain(f"FAILED  {r['path']}: {r['problem']}"))  # (the checkpoint's words: see plain)
     return 0 if rows and all(r["ok"] for r in rows) else 1

@@ -644,10 +644,12 @@ def set_aside_unloadable(path: str) -> str | None:
     local = storage.local_path(path) if storage.supports_rename else None
     if local is None:
         return None
-    parent, name = os.path.split(os.path.normpath(local))
+    # Beside it as the kernel resolves the path: normpath would drop "link/.." as text and put it
+    # elsewhere (found by an outside attack).
+    parent, name = os.path.split(local.rstrip(os.sep) or local)
     aside = os.path.join(parent, f"{UNLOADABLE_PREFIX}{name}-{secrets.token_hex(4)}")
     try:
-        os.rename(local, aside)
+        os.rename(local.rstrip(os.sep) or local, aside)
     except OSError as exc:
         log.warning("could not move %s aside (%s); it stays where it is", path, exc)
         return None

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -175,11 +176,34 @@ def train_payload(step: int, train_state: Mapping[str, Any] | None, meta: Mappin
         ) from exc
 
 
+_SCALAR_KEYS = {True: "true", False: "false", None: "null"}
+
+
+def _json_key(key: Any) -> str | None:
+    """How ``json.dumps`` writes a dict key, or None for one it refuses (it then names it)."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, bool):
+        return _SCALAR_KEYS[key]
+    try:
+        if isinstance(key, int):
+            return int.__repr__(key)  # as json writes it
+        if isinstance(key, float):
+            if key != key:
+                return "NaN"
+            return {math.inf: "Infinity", -math.inf: "-Infinity"}.get(key) or float.__repr__(key)
+    except ValueError:
+        return None  # an int too long to write: json.dumps fails on it below
+    return None
+
+
 def _clashing_key(value: Any) -> str | None:
     """Two keys of one dict in ``value`` that JSON writes alike (``1`` and ``"1"``, ``None`` and
     ``"null"``), as words; None when there are none. JSON would keep the second silently (found by
-    an outside attack). Only dicts with a key that is not a string are looked at closely."""
+    an outside attack). Dicts whose keys are all strings cost one pass over their keys; lists are
+    only searched for the dicts and lists in them."""
     stack, seen = [value], set()
+    containers = (dict, list, tuple)
     while stack:
         node = stack.pop()
         if id(node) in seen:
@@ -189,18 +213,15 @@ def _clashing_key(value: Any) -> str | None:
             if not all(type(k) is str for k in node):
                 written: dict[str, Any] = {}
                 for k in node:
-                    if isinstance(k, str):
-                        as_json = k
-                    elif k is None or isinstance(k, (int, float)):
-                        as_json = next(iter(json.loads(json.dumps({k: 0}))))  # json's own spelling of it
-                    else:
-                        continue  # a key json refuses (a tuple): json.dumps names it
+                    as_json = _json_key(k)
+                    if as_json is None:
+                        continue
                     if as_json in written:
                         return f"{written[as_json]!r} and {k!r}"
                     written[as_json] = k
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
+            stack.extend([v for v in node.values() if isinstance(v, containers)])
+        else:
+            stack.extend([v for v in node if isinstance(v, containers)])
     return None
 
 

@@ -77,6 +77,12 @@ def copy_checkpoint(
         raise ConfigurationError(
             f"{final} is a symbolic link (to {os.readlink(final_local)}), not a copy; remove the link and copy again"
         )
+    if _same_folder(storage_for(src).local_path(src), final_local):
+        # The same folder by another spelling (a linked save folder, "a" and "./a/") passed for a
+        # copy of itself (found by an outside attack).
+        raise ConfigurationError(
+            f"{final} is {src} itself (the same folder by another path), not a copy; copy to another save folder"
+        )
     if _exists(dst, final):
         try:
             same = dst.read_bytes(dst.join(final, COMMIT_RECORD)) == marker and discovery.inspect(final)[1] is None
@@ -154,3 +160,8 @@ def _exists(storage: Storage, path: str) -> bool:
     if local is not None:
         return os.path.lexists(local)
     return bool(storage.list_dir(path))
+
+
+def _same_folder(a: str | None, b: str | None) -> bool:
+    """Whether two local paths are one folder, however spelled (None: not local)."""
+    return a is not None and b is not None and os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b)
