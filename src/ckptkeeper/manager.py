@@ -425,6 +425,8 @@ class CheckpointManager:
         ``accept(path, train_state)`` may refuse a checkpoint by raising CorruptCheckpointError
         (one another trainer wrote, say): the next older one is tried. Once it has answered None,
         :meth:`restore` loads nothing either: it would try the same checkpoints without ``accept``.
+        ``restore`` never applies ``accept``: load the path picked with :meth:`load`. The ranks'
+        answers are not agreed here (each verifies on its own).
         """
         from .engine.reader import read_train_state
 
@@ -468,20 +470,14 @@ class CheckpointManager:
         unloadable: list[tuple[str, str]] = []  # set aside once the run is sure to start without them
         for path in candidates:
             try:
-                found = path, attempt(path)
+                return path, attempt(path)
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 log.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
                 failures.append((path, str(exc)))
-                continue
-            # The newer ones it skipped: the resumed run saves their steps again, which replaced
-            # them (one a newer ckptkeeper wrote, intact, included: found by an outside attack).
-            at = _step_order(path)[0]
-            self._set_aside(
-                sorted(
-                    (f for f in dict(failures).items() if _step_order(f[0])[0] > at), key=lambda f: _step_order(f[0])
-                )
-            )
-            return found
+        # (A fallback that loads an older checkpoint leaves the newer ones it skipped in place, and
+        # the resumed run saves their steps over them: setting them aside by default hid intact
+        # ones that failed for a moment, and a pick() the ranks disagree on made it a stray
+        # collective; both found by an outside attack. Only a fresh start, asked for, moves them.)
         if failures:
             listing = "; ".join(f"{p}: {why}" for p, why in sorted(failures, key=lambda f: _step_order(f[0])))
             if not self.start_fresh_if_unloadable:
@@ -517,21 +513,22 @@ class CheckpointManager:
             )
         # Asked for explicitly: a corrupt load_path raises, there is nothing to fall back to.
         found = resolved, attempt(resolved)
-        self._set_aside(unloadable)
+        # Never the checkpoint just loaded (load_path may name the save folder itself).
+        self._set_aside([f for f in unloadable if f[0] != resolved])
         return found
 
     def _set_aside(self, failures: list[tuple[str, str]]) -> None:
-        """Move aside (rank 0; see :func:`~ckptkeeper.engine.deleter.set_aside_unloadable`) the
-        checkpoints ``failures`` lists, each with why it could not be loaded: the ones a fresh
-        start goes over, or the newer ones a fallback skipped, whose steps the run saves again.
-        Called once the run is sure to start without them: after the checkpoint it resumes from,
-        or a ``load_path``, has loaded, so that a run that stops on it moves nothing (found by an
-        outside attack)."""
-        if not failures:
+        """Move aside the checkpoints a fresh start goes over (``failures``: each with why it could
+        not be loaded; see :func:`~ckptkeeper.engine.deleter.set_aside_unloadable`), once the run
+        is sure to start without them: after a ``load_path`` has loaded, so that a run that stops
+        on it moves nothing (found by an outside attack). Rank 0 alone, without a collective: the
+        ranks' answers to :meth:`pick` are not agreed, and a broadcast one rank reached alone
+        would meet the others' next collective (found by an outside attack); the ranks' next save
+        meets rank 0 after its renames."""
+        if not failures or D.get_rank() != 0:
             return
-        paths = [p for p, _ in failures]
-        moved = D.on_rank0(lambda: [set_aside_unloadable(p) for p in paths])
-        for (path, why), where in zip(failures, moved, strict=True):
+        for path, why in failures:
+            where = set_aside_unloadable(path)
             if where is not None:
                 log.warning(
                     "moved %s, which could not be loaded (%s), to %s: kept for a post-mortem; rename it back to "

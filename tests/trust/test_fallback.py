@@ -171,24 +171,36 @@ def test_a_run_that_stops_on_its_load_path_moves_nothing(tmp_path: Path) -> None
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["step3", "step6"]
 
 
-def test_a_fallback_sets_aside_the_newer_checkpoints_it_skipped(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_a_fallback_moves_nothing_and_a_fresh_start_never_moves_what_it_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Found by an outside attack: resuming from step 3 past a step 6 written by a newer ckptkeeper
-    # (intact) saved step 6 again over it, logging only "saved step 6".
+    # A fallback leaves the newer ones it skipped in place: moving them by default hid intact
+    # checkpoints that failed for a moment (an outside attack). And a fresh start whose load_path
+    # is the save folder itself renamed the very checkpoint it had just loaded from there.
     folder = tmp_path / "run"
     assert run_to_end(tiny_trainer(str(folder), _cb(), 7, crash_at=6)) is False
-    record = folder / "step6" / COMMIT_RECORD
-    newer = record.read_text().replace('"version": 2', '"version": 3', 1)
-    record.write_text(newer)
-    with caplog.at_level(logging.WARNING, logger="ckptkeeper"):
-        t = tiny_trainer(str(folder), _cb(), 9)
-        t.fit()
-    assert t.start_step == 3
-    (aside,) = sorted(folder.glob("unloadable-step6-*"))
-    assert (aside / COMMIT_RECORD).read_text() == newer and str(aside) in caplog.text
-    assert [s for s, _ in Checkpointer().find_checkpoints(str(folder))] == [3, 6, 9]
-    assert not list(folder.glob("unloadable-step3-*"))  # the one it resumed from stays
+    _flip(folder / "step6" / "model_and_optim" / "__0_0.distcp")
+    t = tiny_trainer(str(folder), _cb(), 9)
+    t.fit()
+    assert t.start_step == 3 and not list(folder.glob("unloadable-*"))
+
+    other = tmp_path / "other"
+    assert run_to_end(tiny_trainer(str(other), _cb(), 4, crash_at=3)) is False
+    real_load = Checkpointer.load
+    calls: list[str] = []
+
+    def flaky(self: Checkpointer, path: str, *args: object, **kwargs: object) -> object:
+        calls.append(path)
+        if len(calls) == 1:
+            raise CorruptCheckpointError(f"{path}: could not be read (a moment's I/O error)")
+        return real_load(self, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Checkpointer, "load", flaky)
+    again = tiny_trainer(str(other), _cb(), 6)
+    again.start_fresh_if_unloadable = True
+    again.load_path = str(other)
+    again.fit()
+    assert again.start_step == 3 and (other / "step3").is_dir() and not list(other.glob("unloadable-*"))
 
 
 def test_set_aside_stays_beside_the_folder_the_kernel_finds(tmp_path: Path) -> None:
