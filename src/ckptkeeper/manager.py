@@ -479,7 +479,8 @@ class CheckpointManager:
         # ones that failed for a moment, and a pick() the ranks disagree on made it a stray
         # collective; both found by an outside attack. Only a fresh start, asked for, moves them.)
         if failures:
-            listing = "; ".join(f"{p}: {why}" for p, why in sorted(failures, key=lambda f: _step_order(f[0])))
+            failures.sort(key=lambda f: _step_order(f[0]))  # (the survey's and the tries' are distinct paths)
+            listing = "; ".join(f"{p}: {why}" for p, why in failures)
             if not self.start_fresh_if_unloadable:
                 raise CorruptCheckpointError(
                     f"none of the {len(failures)} checkpoints in {self.save_folder} can be loaded ({listing}). "
@@ -493,7 +494,7 @@ class CheckpointManager:
                 listing,
                 self.load_path or "scratch",
             )
-            unloadable = sorted(dict(failures).items(), key=lambda f: _step_order(f[0]))
+            unloadable = failures
         if self.load_path is None:
             self._set_aside(unloadable)
             return None

@@ -44,21 +44,25 @@ def checkpoints_under(path: str) -> list[str]:
     return [i.path for i in discovery.list_checkpoints(path)]
 
 
+def _row(path: str, step: int | None, problem: str | None, nbytes: int = 0, note: str | None = None) -> dict[str, Any]:
+    """One checkpoint's line of the report (``--json``: every row with the same keys); OK when no ``problem``."""
+    return {"path": path, "step": step, "ok": problem is None, "problem": problem, "bytes": nbytes, "note": note}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``ckptkeeper verify``; returns the exit code."""
     rows: list[dict[str, Any]] = []
     for path in args.paths:
         problem = local_problem(path)
         if problem is not None:
-            rows.append({"path": path, "step": None, "ok": False, "problem": problem, "bytes": 0, "note": None})
+            rows.append(_row(path, None, problem))
             continue
         # The engine is imported once a path exists (verifying a folder may import torch).
         from ..engine import discovery
 
         found = checkpoints_under(path)
         if not found:
-            rows.append({"path": path, "step": None, "ok": False, "problem": "no checkpoints here", "bytes": 0,
-                         "note": None})  # fmt: skip
+            rows.append(_row(path, None, "no checkpoints here"))
         for ckpt in found:
             step = parse_step(ckpt.rsplit("/", 1)[-1])
             stored = sum(f.size for f in storage_for(ckpt).walk(ckpt))
@@ -67,11 +71,9 @@ def run(args: argparse.Namespace) -> int:
                     record = discovery.verify(ckpt)
                     if step is None:  # a checkpoint in a folder not named step{N}: its record says
                         step = record.step
-                    rows.append({"path": ckpt, "step": step, "ok": True, "problem": None, "bytes": stored,
-                                 "note": discovery.verify_note(ckpt)})  # fmt: skip
+                    rows.append(_row(ckpt, step, None, stored, discovery.verify_note(ckpt)))
                 except CkptkeeperError as exc:
-                    rows.append({"path": ckpt, "step": step, "ok": False, "problem": str(exc), "bytes": stored,
-                                 "note": None})  # fmt: skip
+                    rows.append(_row(ckpt, step, str(exc), stored))
                 advance(stored)
     if args.json:
         print(json.dumps(rows, indent=1))

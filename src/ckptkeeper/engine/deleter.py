@@ -646,10 +646,11 @@ def set_aside_unloadable(path: str) -> str | None:
         return None
     # Beside it as the kernel resolves the path: normpath would drop "link/.." as text and put it
     # elsewhere (found by an outside attack).
-    parent, name = os.path.split(local.rstrip(os.sep) or local)
+    here = local.rstrip(os.sep) or local
+    parent, name = os.path.split(here)
     aside = os.path.join(parent, f"{UNLOADABLE_PREFIX}{name}-{secrets.token_hex(4)}")
     try:
-        os.rename(local.rstrip(os.sep) or local, aside)
+        os.rename(here, aside)
     except OSError as exc:
         log.warning("could not move %s aside (%s); it stays where it is", path, exc)
         return None

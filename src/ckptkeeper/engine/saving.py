@@ -177,6 +177,7 @@ def train_payload(step: int, train_state: Mapping[str, Any] | None, meta: Mappin
 
 
 _SCALAR_KEYS = {True: "true", False: "false", None: "null"}
+_INFINITE_KEYS = {math.inf: "Infinity", -math.inf: "-Infinity"}
 
 
 def _json_key(key: Any) -> str | None:
@@ -191,7 +192,7 @@ def _json_key(key: Any) -> str | None:
         if isinstance(key, float):
             if key != key:
                 return "NaN"
-            return {math.inf: "Infinity", -math.inf: "-Infinity"}.get(key) or float.__repr__(key)
+            return _INFINITE_KEYS.get(key) or float.__repr__(key)
     except ValueError:
         return None  # an int too long to write: json.dumps fails on it below
     return None
