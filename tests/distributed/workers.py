@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
 from torch import nn
 
-from ckptkeeper import Checkpointer, CheckpointerCallback, Trainer, TrainingState, state_digest
-from ckptkeeper.engine import SaveStage
+from ckptkeeper import Callback, Checkpointer, CheckpointerCallback, Trainer, TrainingState, state_digest
+from ckptkeeper.engine import SaveResult, SaveStage
 
 
 class RecordingCheckpointer(Checkpointer):
@@ -25,16 +27,51 @@ class RecordingCheckpointer(Checkpointer):
         super().remove(path, run_in_background)
 
 
-def faulty_checkpointer(rank: int, step: int, vanish: bool = False) -> Checkpointer:
+class _FaultyCheckpointer(Checkpointer):
+    """Remembers the futures of its background saves (a test waits on them to fix the timing)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.futures: list[Future[SaveResult]] = []
+        self.release = threading.Event()  # the fault waits for it (set: no wait)
+        self.release.set()
+
+    def save_async(self, *args: Any, **kwargs: Any) -> tuple[str, Future[SaveResult]]:
+        path, fut = super().save_async(*args, **kwargs)
+        self.futures.append(fut)
+        return path, fut
+
+
+def faulty_checkpointer(rank: int, step: int, vanish: bool = False) -> _FaultyCheckpointer:
     """On one rank, at one step, mid-save (when its trainer state is written): fails, or vanishes."""
 
     def fault(stage: SaveStage) -> None:
         if stage.name == "writing trainer state" and stage.rank == rank and stage.step == step:
             if vanish:
                 os._exit(9)
+            ckpt.release.wait(timeout=120)
             raise OSError(5, "Input/output error", os.path.join(stage.work, "model_and_optim", f"__{rank}_0.distcp"))
 
-    return Checkpointer(on_stage=fault)
+    ckpt = _FaultyCheckpointer(on_stage=fault)
+    return ckpt
+
+
+class _SettleSavesAt(Callback):
+    """Holds the fault until ``step``; there, before the checkpointer's hook, lets it fail and
+    waits until every background save started so far has ended (its outcome is left for the
+    checkpointer to collect): which call finds the failure then does not depend on how fast the
+    machine is (CI found it at step 8 once, where the test had assumed step 5)."""
+
+    priority = 2  # before CheckpointerCallback's
+
+    def __init__(self, ckpt: _FaultyCheckpointer, step: int) -> None:
+        self.ckpt, self.at = ckpt, step
+        ckpt.release.clear()
+
+    def post_train_batch(self) -> None:
+        if self.step == self.at:
+            self.ckpt.release.set()
+            wait(self.ckpt.futures)
 
 
 def _sharded(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -65,12 +102,15 @@ def train_and_record_removals(rank: int, folder: str) -> list[str]:
     return ckpt.removed
 
 
-def train_with_a_failing_rank(rank: int, folder: str, save_async: bool) -> str:
+def train_with_a_failing_rank(rank: int, folder: str, save_async: bool, found_at: int = 5) -> str:
+    """Step 4's save fails on rank 1; with async saves, the ranks learn it at step ``found_at``
+    (5: the step after; 8: only at the next due save, which the failure must not cost)."""
     model, opt = _sharded()
     cb = CheckpointerCallback(save_interval=4, save_async=save_async)
+    ckpt = faulty_checkpointer(rank=1, step=4)
     Trainer(
         model=model, optimizer=opt, loss_fn=nn.MSELoss(), data_loader=_batches(rank), save_folder=folder,
-        max_steps=9, callbacks=[cb], checkpointer=faulty_checkpointer(rank=1, step=4),
+        max_steps=9, callbacks=[cb, *([_SettleSavesAt(ckpt, found_at)] if save_async else [])], checkpointer=ckpt,
     ).fit()  # fmt: skip
     return "finished"
 
