@@ -15,7 +15,7 @@ PUBLIC = {
     "Callback", "CheckpointError", "CheckpointEvent", "CheckpointInfo", "CheckpointManager", "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointPolicyConfig", "CheckpointSaveError", "Checkpointer", "CheckpointerCallback", "CkptkeeperError",
-    "CommitRecord", "ConfigurationError", "CorruptCheckpointError", "DiskFullError", "JsonStateful",
+    "CommitRecord", "ConfigurationError", "CorruptCheckpointError", "DiskFullError", "JsonStateful", "NewerFormatError",
     "RemovalStrategy", "RetentionRules",
     "SaveFolderInUseError", "SaveFolderLease", "SaveResult", "Stateful", "Storage", "StorageAccessError",
     "StorageError", "Trainer", "TrainingState",

@@ -16,6 +16,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptCheckpointError",
     "DiskFullError",
+    "NewerFormatError",
     "SaveFolderInUseError",
     "StorageAccessError",
     "StorageError",
@@ -41,6 +42,17 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint whose files do not match its commit record (missing, wrong size, wrong checksum)."""
+
+
+class NewerFormatError(CorruptCheckpointError):
+    """A checkpoint written by a newer ckptkeeper, in a format this one does not read.
+
+    Intact as far as this version can tell (its commit record's own checksum holds), so it is not
+    treated as damage: resume refuses to fall back past it, because the older checkpoint's run
+    would save the same steps again and replace it. The fix is to upgrade ckptkeeper (or to move
+    the checkpoint out of the save folder). A subclass of :class:`CorruptCheckpointError` so that
+    code which skips checkpoints it cannot load skips this one too.
+    """
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):

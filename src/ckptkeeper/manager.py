@@ -46,6 +46,7 @@ from .errors import (
     CkptkeeperError,
     ConfigurationError,
     CorruptCheckpointError,
+    NewerFormatError,
     SaveFolderInUseError,
 )
 from .policy import (
@@ -454,9 +455,10 @@ class CheckpointManager:
         The one place the fallback rules live (:meth:`restore` loads, :meth:`pick` verifies).
         """
 
-        def survey() -> tuple[list[str], list[tuple[str, str]]]:
-            # Complete checkpoints, newest first; and the ones that claim to be checkpoints (they
-            # have a commit record) but are broken. Folders without a record are not ours.
+        def survey() -> tuple[list[str], list[tuple[str, str]], list[tuple[int, str, str]]]:
+            # Complete checkpoints, newest first; the ones that claim to be checkpoints (they have
+            # a commit record) but are broken (folders without a record are not ours); and those
+            # of the broken ones that a newer ckptkeeper wrote.
             infos = self.checkpointer.list_checkpoints(self.save_folder)
             good = [i.path for i in reversed(infos) if i.complete]
             broken = [
@@ -464,20 +466,31 @@ class CheckpointManager:
                 for i in infos
                 if not i.complete and i.problem != "no commit record" and not (i.problem or "").startswith(NOT_OURS)
             ]
-            return good, broken
+            return good, broken, [(i.step, i.path, i.problem or "") for i in infos if i.newer_format]
 
-        candidates, failures = D.on_rank0(survey)
+        candidates, failures, newer = D.on_rank0(survey)
         unloadable: list[tuple[str, str]] = []  # set aside once the run is sure to start without them
+        broken = list(failures)
         for path in candidates:
+            self._refuse_to_go_back_past(newer, path)
             try:
-                return path, attempt(path)
+                found = path, attempt(path)
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 log.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
                 failures.append((path, str(exc)))
+                continue
+            # The broken ones later than the one loaded were passed over without a try: said here,
+            # or a resume went back past them without a word.
+            for skipped, why in broken:
+                if _step_order(skipped) > _step_order(path):
+                    log.warning("skipping checkpoint %s: %s", skipped, why)
+            return found
         # (A fallback that loads an older checkpoint leaves the newer ones it skipped in place, and
         # the resumed run saves their steps over them: setting them aside by default hid intact
         # ones that failed for a moment, and a pick() the ranks disagree on made it a stray
         # collective; both found by an outside attack. Only a fresh start, asked for, moves them.)
+        if self.load_path is None:
+            self._refuse_to_go_back_past(newer, None)  # before "none loads" offers a fresh start
         if failures:
             failures.sort(key=lambda f: _step_order(f[0]))  # (the survey's and the tries' are distinct paths)
             listing = "; ".join(f"{p}: {why}" for p, why in failures)
@@ -512,11 +525,28 @@ class CheckpointManager:
                 f"load_path {load_path} holds no complete checkpoint; pass a step folder or a save "
                 "folder that `ckptkeeper ls` shows as complete"
             )
+        self._refuse_to_go_back_past(newer, resolved)
         # Asked for explicitly: a corrupt load_path raises, there is nothing to fall back to.
         found = resolved, attempt(resolved)
         # Never the checkpoint just loaded (load_path may name the save folder itself).
         self._set_aside([f for f in unloadable if f[0] != resolved])
         return found
+
+    def _refuse_to_go_back_past(self, newer: list[tuple[int, str, str]], start: str | None) -> None:
+        """Raise NewerFormatError when the run would resume from ``start`` (a checkpoint's path;
+        None: from scratch) while the save folder holds a later checkpoint that a newer ckptkeeper
+        wrote (``newer``: step, path, why): the run would save those steps again, replacing it.
+        Every rank decides alike (from rank 0's survey and the agreed loads)."""
+        from_step = -1 if start is None else parse_step(start)
+        ahead = [(path, why) for step, path, why in newer if from_step is None or step > from_step]
+        if not ahead:
+            return
+        listing = "; ".join(f"{path} ({why})" for path, why in ahead)
+        raise NewerFormatError(
+            f"{listing}. Resuming from {start or 'scratch'} would save the same steps again and replace "
+            f"{'it' if len(ahead) == 1 else 'them'}: upgrade ckptkeeper to resume from the newest, or, to resume "
+            f"from the older one anyway, move {'it' if len(ahead) == 1 else 'them'} out of {self.save_folder} first"
+        )
 
     def _set_aside(self, failures: list[tuple[str, str]]) -> None:
         """Move aside the checkpoints a fresh start goes over (``failures``: each with why it could

@@ -36,6 +36,7 @@ from ..storage.local import open_regular
 from .record import (
     MAX_RECORD_BYTES,
     MAX_STATE_BYTES,
+    NEWER_FORMAT,
     CommitRecord,
     FileEntry,
     check_digest,
@@ -107,6 +108,12 @@ class CheckpointInfo:
     """``"ckptkeeper"``, or ``"olmo-core"`` for a checkpoint written by OLMo-core."""
     metrics: Mapping[str, float] = field(default_factory=dict)
     """The metrics given when it was saved (``save_if_due(step, metrics=...)``), for retention by metric."""
+
+    @property
+    def newer_format(self) -> bool:
+        """Written by a newer ckptkeeper (see :class:`~ckptkeeper.NewerFormatError`): not complete
+        for this version, which cannot read it, but not damaged either."""
+        return (self.problem or "").startswith(NEWER_FORMAT)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, NewerFormatError
 from ..storage.layout import COMMIT_RECORD, MAX_STEP, MODEL_DIR, check_relpath, train_state_name
 from ..storage.local import open_regular
 
@@ -30,6 +30,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MAX_RECORD_BYTES",
     "MAX_STATE_BYTES",
+    "NEWER_FORMAT",
     "CommitRecord",
     "FileEntry",
     "check_digest",
@@ -53,6 +54,20 @@ _SELF_KEY = "record_xxh3_64"
 _SELF_HEAD = b'{\n "' + _SELF_KEY.encode() + b'": "'
 _SELF_TAIL = b'",\n'
 _BLANK = b"0" * 16
+
+NEWER_FORMAT = "checkpoint written by a newer ckptkeeper"
+"""How the message of a :class:`~ckptkeeper.errors.NewerFormatError` from a commit record starts
+(and so the ``problem`` that ``ls`` shows for such a checkpoint)."""
+
+
+def _seal_holds(data: bytes) -> bool:
+    """Whether a record's own checksum, in its place at the start, matches the rest of it."""
+    head = len(_SELF_HEAD)
+    if not (data.startswith(_SELF_HEAD) and data[head + 16 : head + 16 + len(_SELF_TAIL)] == _SELF_TAIL):
+        return False
+    return data[head : head + 16].decode("ascii", "replace") == digest_bytes(data[:head] + _BLANK + data[head + 16 :])
+
+
 _MAX_FILES = 1 << 20
 _MAX_FILE_BYTES = 1 << 52
 
@@ -237,6 +252,15 @@ class CommitRecord:
                 "checkpoint cannot be trusted: load an earlier checkpoint (resume does this automatically) or "
                 "restore it from a copy"
             )
+        version = doc.get("version") if isinstance(doc, dict) and doc.get("format") == _FORMAT else None
+        if type(version) is int and version > FORMAT_VERSION and _seal_holds(data):
+            # Told apart from a damaged version field by the record's own checksum, which every
+            # format since 2 puts first and later formats must keep: resume does not fall back
+            # past such a checkpoint (its steps would be saved again over it).
+            raise NewerFormatError(
+                f"{NEWER_FORMAT}: its commit record {where} is format version {version}, and this "
+                f"ckptkeeper reads versions up to {FORMAT_VERSION}; upgrade ckptkeeper to load it"
+            )
         try:
             return cls._from_doc(doc, data)
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
@@ -250,18 +274,16 @@ class CommitRecord:
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise ValueError("not a ckptkeeper commit record")
         version = _int(doc.get("version"), "version", 1, 1 << 30)
-        if version > FORMAT_VERSION:
+        if version > FORMAT_VERSION:  # (a sealed one was a NewerFormatError already)
             raise ValueError(
-                f"format version {version} is newer than this ckptkeeper understands ({FORMAT_VERSION}); "
-                "upgrade ckptkeeper"
+                f"it claims format version {version}, newer than this ckptkeeper's {FORMAT_VERSION}, but its "
+                f"own checksum ({_SELF_KEY}) does not match: damaged"
             )
         if version >= 2 or _SELF_KEY in doc:
             head = len(_SELF_HEAD)
-            claimed = data[head : head + 16]
             if not (data.startswith(_SELF_HEAD) and data[head + 16 : head + 16 + len(_SELF_TAIL)] == _SELF_TAIL):
                 raise ValueError(f"its own checksum ({_SELF_KEY}) is missing or misplaced")
-            actual = digest_bytes(data[:head] + _BLANK + data[head + 16 :])
-            if claimed.decode("ascii", "replace") != actual:
+            if not _seal_holds(data):
                 raise ValueError("its own checksum does not match its content (changed after it was written)")
         files_doc = doc["files"]
         if not isinstance(files_doc, dict) or len(files_doc) > _MAX_FILES:

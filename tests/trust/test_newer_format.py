@@ -1,0 +1,118 @@
+"""A checkpoint written by a newer ckptkeeper is intact, not corrupt: an older ckptkeeper that
+resumes refuses to fall back past it (the older checkpoint's run would save its step again and
+replace it), and says to upgrade. A record whose version field was damaged still counts as
+corrupt: its own checksum tells the two apart."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from ckptkeeper import (
+    Checkpointer,
+    CheckpointerCallback,
+    CheckpointManager,
+    CorruptCheckpointError,
+    NewerFormatError,
+    TrainingState,
+    state_digest,
+)
+from ckptkeeper.engine.record import _BLANK, _SELF_HEAD, FORMAT_VERSION, digest_bytes
+from ckptkeeper.storage.layout import COMMIT_RECORD
+
+from ..helpers import run_cli, tiny_trainer
+
+
+def _cb() -> CheckpointerCallback:
+    return CheckpointerCallback(save_interval=3, save_async=False, pre_train_checkpoint=False)
+
+
+def _as_newer(step_folder: Path, version: int = FORMAT_VERSION + 1, sealed: bool = True) -> bytes:
+    """Rewrite the record's version as a newer ckptkeeper would have written it (``sealed``: its own
+    checksum made to match again, as that ckptkeeper's would; else as a damaged byte leaves it)."""
+    path = step_folder / COMMIT_RECORD
+    data = re.sub(rb'"version": \d+', b'"version": %d' % version, path.read_bytes(), count=1)
+    if sealed:
+        head = len(_SELF_HEAD)
+        data = data[:head] + digest_bytes(data[:head] + _BLANK + data[head + 16 :]).encode() + data[head + 16 :]
+    path.write_bytes(data)
+    return data
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["fallback", "start-fresh"])
+def test_resume_never_falls_back_past_a_newer_checkpoint(tmp_path: Path, fresh: bool) -> None:
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), _cb(), 6).fit()
+    _as_newer(folder / "step6")
+    if fresh:  # with nothing else loadable, a fresh start would have saved step3 and step6 over them
+        (folder / "step3" / COMMIT_RECORD).write_text("{")
+    before = _listing(folder)
+    t = tiny_trainer(str(folder), _cb(), 9)
+    t.start_fresh_if_unloadable = fresh
+    untouched = state_digest(t.model, t.optimizer)
+    with pytest.raises(NewerFormatError) as info:
+        t.fit()
+    msg = str(info.value)
+    assert "step6" in msg and f"format version {FORMAT_VERSION + 1}" in msg and "upgrade ckptkeeper" in msg, msg
+    assert "move" in msg  # the other way out: take it out of the save folder
+    assert isinstance(info.value, CorruptCheckpointError)  # older handlers that skip unreadable ones still do
+    assert _listing(folder) == before  # nothing saved over, moved aside or deleted
+    assert state_digest(t.model, t.optimizer) == untouched and t.global_step == 0
+
+
+def test_a_newer_checkpoint_older_than_the_one_resumed_from_is_no_obstacle(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), _cb(), 6).fit()
+    kept = _as_newer(folder / "step3")
+    t = tiny_trainer(str(folder), _cb(), 9)
+    t.fit()
+    assert t.start_step == 6 and (folder / "step3" / COMMIT_RECORD).read_bytes() == kept
+
+
+def test_a_damaged_version_field_is_corruption_and_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), _cb(), 6).fit()
+    _as_newer(folder / "step6", version=FORMAT_VERSION + 1, sealed=False)
+    t = tiny_trainer(str(folder), _cb(), 9)
+    with caplog.at_level(logging.WARNING):
+        t.fit()
+    assert t.start_step == 3
+    said = [r.getMessage() for r in caplog.records]
+    assert any("skipping checkpoint" in m and "step6" in m and "checksum" in m for m in said), said
+
+
+def test_pick_and_restore_refuse_alike_and_a_direct_load_says_upgrade(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), _cb(), 6).fit()
+    _as_newer(folder / "step6")
+    t = tiny_trainer(str(tmp_path / "other"), None, 1)
+    state = TrainingState(t.model, t.optimizer)
+    for how in ("pick", "restore"):
+        mgr = CheckpointManager(str(folder), state=state, take_lease=False)
+        with pytest.raises(NewerFormatError, match="step6"):
+            getattr(mgr, how)()
+        mgr.close()
+    with pytest.raises(NewerFormatError, match=r"upgrade ckptkeeper") as info:
+        Checkpointer().load(str(folder / "step6"), state)
+    assert "corrupt" not in str(info.value)
+    with pytest.raises(NewerFormatError, match=r"upgrade ckptkeeper"):
+        Checkpointer().verify(str(folder / "step6"))
+
+
+def test_ls_and_verify_say_it_needs_a_newer_ckptkeeper_not_that_it_is_corrupt(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), _cb(), 6).fit()
+    _as_newer(folder / "step6")
+    ls = run_cli("ls", str(folder), "--json", cwd=tmp_path)
+    assert "newer ckptkeeper" in ls.stdout and "upgrade ckptkeeper" in ls.stdout, ls.stdout
+    verify = run_cli("verify", str(folder / "step6"), cwd=tmp_path)
+    assert verify.returncode != 0
+    out = verify.stdout + verify.stderr
+    assert "newer ckptkeeper" in out and "upgrade ckptkeeper" in out and "corrupt" not in out, out
