@@ -4,6 +4,7 @@ errors, and never turning on a collector the user turned off)."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import threading
@@ -445,6 +446,29 @@ def test_a_data_file_swapped_for_a_fifo_mid_load_is_refused_not_waited_on(tmp_pa
     with pytest.raises(CorruptCheckpointError, match="regular file"):
         Checkpointer().load(str(tmp_path / "step1"), _FixedState(fresh), check_train_state=swap)
     assert all(bool((v == 5).all()) for v in fresh["model"].values())
+
+
+@pytest.mark.parametrize(
+    ("code", "said", "fix"),
+    [(errno.EIO, "Input/output error", "retry"), (errno.EACCES, "Permission denied", "permissions")],
+)
+def test_a_data_file_that_cannot_be_opened_is_named_with_the_real_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, said: str, fix: str
+) -> None:
+    # Every open error read "it must be a regular file, not a link, folder or FIFO", a disk's I/O
+    # error included: the wrong problem and the wrong fix.
+    from ckptkeeper.engine import fastio
+
+    tree = _tree(2)
+    Checkpointer().save(str(tmp_path), 1, _FixedState(tree))
+
+    def failing(path: str, follow_links: bool = False) -> int:
+        raise OSError(code, os.strerror(code), path)
+
+    monkeypatch.setattr(fastio, "open_regular", failing)
+    with pytest.raises(CorruptCheckpointError, match=said) as info:
+        Checkpointer().load(str(tmp_path / "step1"), _FixedState(_like(tree, 5.0)))
+    assert "regular file" not in str(info.value) and fix in str(info.value) and "__0_0.distcp" in str(info.value)
 
 
 def test_dcps_own_reader_refuses_a_data_file_swapped_for_a_fifo(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import ctypes
+import errno
 import io
 import math
 import operator
@@ -1120,9 +1121,15 @@ def _open_data_file(path: str) -> int:
             f"checkpoint data file {path} is missing; load an earlier checkpoint or restore this one from a copy"
         ) from None
     except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EINVAL, errno.ENOTDIR, errno.EISDIR, errno.ENXIO):
+            why = "it must be a regular file, not a link, folder or FIFO: restore this one from a copy, or"
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            why = "fix its permissions, or"
+        else:  # the disk, the file system or the process's limits: it may read on a retry
+            why = "retry once the storage is healthy, or"
         raise CorruptCheckpointError(
-            f"{path} cannot be read as a checkpoint's data file ({exc.strerror or exc}: it must be a regular file, "
-            "not a link, folder or FIFO); load an earlier checkpoint or restore this one from a copy"
+            f"{path} cannot be read as a checkpoint's data file ({exc.strerror or exc}): {why} load an "
+            "earlier checkpoint (resume does this automatically)"
         ) from None
 
 
