@@ -458,13 +458,17 @@ class CheckpointManager:
         def survey() -> tuple[list[str], list[tuple[str, str]], list[tuple[int, str, str]]]:
             # Complete checkpoints, newest first; the ones that claim to be checkpoints (they have
             # a commit record) but are broken (folders without a record are not ours); and those
-            # of the broken ones that a newer ckptkeeper wrote.
+            # a newer ckptkeeper wrote, which are not broken: never counted as unloadable (that
+            # offered a fresh start, which then moved them aside; an outside attack).
             infos = self.checkpointer.list_checkpoints(self.save_folder)
             good = [i.path for i in reversed(infos) if i.complete]
             broken = [
                 (i.path, i.problem or "")
                 for i in infos
-                if not i.complete and i.problem != "no commit record" and not (i.problem or "").startswith(NOT_OURS)
+                if not i.complete
+                and not i.newer_format
+                and i.problem != "no commit record"
+                and not (i.problem or "").startswith(NOT_OURS)
             ]
             return good, broken, [(i.step, i.path, i.problem or "") for i in infos if i.newer_format]
 
@@ -536,16 +540,20 @@ class CheckpointManager:
         """Raise NewerFormatError when the run would resume from ``start`` (a checkpoint's path;
         None: from scratch) while the save folder holds a later checkpoint that a newer ckptkeeper
         wrote (``newer``: step, path, why): the run would save those steps again, replacing it.
-        Every rank decides alike (from rank 0's survey and the agreed loads)."""
+        From rank 0's survey, so the ranks of :meth:`restore` (whose loads are agreed) decide
+        alike; those of :meth:`pick` may not, as its answers are not agreed. The saves would
+        refuse to replace it anyway (see :func:`~ckptkeeper.engine.commit.clear_target`); this
+        stops the run before it loads anything."""
         from_step = -1 if start is None else parse_step(start)
         ahead = [(path, why) for step, path, why in newer if from_step is None or step > from_step]
         if not ahead:
             return
         listing = "; ".join(f"{path} ({why})" for path, why in ahead)
+        them = "it" if len(ahead) == 1 else "them"
+        way = f"resume from {start}" if start is not None else "start from scratch"
         raise NewerFormatError(
-            f"{listing}. Resuming from {start or 'scratch'} would save the same steps again and replace "
-            f"{'it' if len(ahead) == 1 else 'them'}: upgrade ckptkeeper to resume from the newest, or, to resume "
-            f"from the older one anyway, move {'it' if len(ahead) == 1 else 'them'} out of {self.save_folder} first"
+            f"{listing}. To {way} would save the same steps again and replace {them}: upgrade ckptkeeper "
+            f"to resume from the newest, or, to {way} anyway, move {them} out of {self.save_folder} first"
         )
 
     def _set_aside(self, failures: list[tuple[str, str]]) -> None:

@@ -39,19 +39,24 @@ def run(args: argparse.Namespace) -> int:
     from ..storage import parse_step, storage_for
 
     src = args.src.rstrip("/")
+    failed = 0
     if parse_step(src.rsplit("/", 1)[-1]) is not None:
         sources = [src]
     else:
         infos = discovery.list_checkpoints(src)
         sources = [i.path for i in infos if i.complete]
         for i in infos:
-            if not i.complete:
+            if i.newer_format:
+                # Not copied, and the copy fails: an older ckptkeeper resuming from the copy
+                # would go back past it without a word (an outside attack).
+                failed += 1
+                print(plain(f"ckptkeeper cp: error: {i.path} not copied: {i.problem}"), file=sys.stderr)
+            elif not i.complete:
                 print(plain(f"skipping incomplete {i.path}: {i.problem}"), file=sys.stderr)
         if not sources:
             print(f"ckptkeeper cp: error: no complete checkpoint in {src}", file=sys.stderr)
             return 1
     storage_for(args.dst).check_access(args.dst)
-    failed = 0
     with SaveFolderLease(args.dst):
         # Leftovers of an earlier, interrupted copy into this folder (provably ours) go first.
         clean_save_folder(args.dst)

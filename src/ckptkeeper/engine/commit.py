@@ -35,14 +35,14 @@ from ..storage.layout import COMMIT_RECORD, scratch_name
 from ..storage.local import fsync_dir, translate_os_error
 from .deleter import (
     clean_leftover,
-    local_record_is_ours,
     new_spool,
     read_intents,
+    read_local_record,
     record_is_ours,
     unlisted_local_files,
     write_intent,
 )
-from .record import CommitRecord
+from .record import CommitRecord, record_is_newer
 
 __all__ = ["CommitMethod", "RecordLastCommit", "RenameCommit", "clear_target", "commit_method_for"]
 
@@ -362,10 +362,20 @@ def _back_as_it_was(storage: Storage, old: str) -> CheckpointSaveError:
     return CheckpointSaveError(f"{old} changed while this save replaced it; it is back as it was")
 
 
+def _newer_there(final: str) -> CheckpointSaveError:
+    # Whatever way a run came to save this step (a fallback, a manual load, a direct save), the
+    # newer checkpoint is what would be lost: an intact one this version cannot even read.
+    return CheckpointSaveError(
+        f"{final} holds a checkpoint written by a newer ckptkeeper, which this one does not replace: upgrade "
+        "ckptkeeper, or move that checkpoint out of the save folder to save this step here"
+    )
+
+
 def clear_target(storage: Storage, final: str, remove: Remove, check_only: bool = False) -> None:
     """Make room for a new save at ``final``, deleting only what is provably ckptkeeper's.
 
-    An older complete or broken save of the same step (its record is ours) is removed through
+    A checkpoint of a newer ckptkeeper raises CheckpointSaveError and is left as it is. An older
+    complete or broken save of the same step (its record is ours) is removed through
     ``remove`` (invisible at once); leftovers of a crashed object-store save are cleaned through
     their intents. Anything else raises CheckpointSaveError: ckptkeeper never overwrites what it
     did not write. ``check_only`` only checks (local disks clear at publish time).
@@ -379,11 +389,14 @@ def clear_target(storage: Storage, final: str, remove: Remove, check_only: bool 
                 f"{local} is a symbolic link (to {os.readlink(local)!r}); ckptkeeper does not save through a link, "
                 "nor replace one: remove the link, or save under another step"
             )
-        if not local_record_is_ours(local):
+        data = read_local_record(local)
+        if data is None or not record_is_ours(data):
             raise CheckpointSaveError(
                 f"{local} already exists and is not a ckptkeeper checkpoint (no commit record); ckptkeeper "
                 "does not overwrite what it did not write: move it out of the save folder"
             )
+        if record_is_newer(data):
+            raise _newer_there(local)
         if not check_only:
             remove(final)  # an older save of the same step: invisible at once, deleted after
         return
@@ -399,6 +412,8 @@ def clear_target(storage: Storage, final: str, remove: Remove, check_only: bool 
                 f"{final} holds a {COMMIT_RECORD} that ckptkeeper did not write; ckptkeeper does not overwrite "
                 "it: move it out of the save folder"
             )
+        if record_is_newer(record):
+            raise _newer_there(final)
         remove(final)
         return
     clean_leftover(storage, final)

@@ -56,6 +56,7 @@ __all__ = [
     "local_record_is_ours",
     "new_spool",
     "read_intents",
+    "read_local_record",
     "record_is_ours",
     "remove_checkpoint",
     "set_aside_unloadable",
@@ -137,13 +138,20 @@ def read_intents(storage: Storage, final: str) -> tuple[set[str], list[str]]:
     return announced, objects
 
 
-def local_record_is_ours(folder: str) -> bool:
-    """:func:`record_is_ours` for the record of a local step folder (False when it has none)."""
+def read_local_record(folder: str) -> bytes | None:
+    """The commit record of a local step folder (never through a link; at most one byte over the
+    limit), or None when it has none or it cannot be read."""
     try:
         with os.fdopen(open_regular(os.path.join(folder, COMMIT_RECORD)), "rb") as f:
-            return record_is_ours(f.read(MAX_RECORD_BYTES + 1))
+            return f.read(MAX_RECORD_BYTES + 1)
     except OSError:
-        return False
+        return None
+
+
+def local_record_is_ours(folder: str) -> bool:
+    """:func:`record_is_ours` for the record of a local step folder (False when it has none)."""
+    data = read_local_record(folder)
+    return data is not None and record_is_ours(data)
 
 
 def _ours_on_object_store(storage: Storage, final: str) -> list[str] | None:

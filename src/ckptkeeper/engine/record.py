@@ -38,6 +38,7 @@ __all__ = [
     "hash_file",
     "loads_bounded",
     "new_hasher",
+    "record_is_newer",
     "record_is_ours",
 ]
 
@@ -54,6 +55,8 @@ _SELF_KEY = "record_xxh3_64"
 _SELF_HEAD = b'{\n "' + _SELF_KEY.encode() + b'": "'
 _SELF_TAIL = b'",\n'
 _BLANK = b"0" * 16
+
+_MAX_VERSION = 1 << 30
 
 NEWER_FORMAT = "checkpoint written by a newer ckptkeeper"
 """How the message of a :class:`~ckptkeeper.errors.NewerFormatError` from a commit record starts
@@ -246,20 +249,21 @@ class CommitRecord:
         # form, so nesting is bounded there (a regex pass over a 300 KB record of 3,000 files
         # cost ls more than listing the files).
         doc = loads_bounded(data, f"commit record {where}", max_bytes=MAX_RECORD_BYTES, max_depth=None)
+        version = doc.get("version") if isinstance(doc, dict) and doc.get("format") == _FORMAT else None
+        if type(version) is int and FORMAT_VERSION < version <= _MAX_VERSION and _seal_holds(data):
+            # Told apart from a damaged version field by the record's own checksum, which every
+            # format since 2 puts first and later formats must keep: resume does not fall back
+            # past such a checkpoint (its steps would be saved again over it). Checked before
+            # anything else of this version's rules, which a newer format need not follow.
+            raise NewerFormatError(
+                f"{NEWER_FORMAT}: its commit record {where} is format version {version}, and this "
+                f"ckptkeeper reads versions up to {FORMAT_VERSION}; upgrade ckptkeeper to load it"
+            )
         if isinstance(doc, dict) and _depth(doc.get("extra"), 14) > 14:
             raise CorruptCheckpointError(
                 f"commit record {where} is malformed ('extra' is nested more than 14 levels deep); the "
                 "checkpoint cannot be trusted: load an earlier checkpoint (resume does this automatically) or "
                 "restore it from a copy"
-            )
-        version = doc.get("version") if isinstance(doc, dict) and doc.get("format") == _FORMAT else None
-        if type(version) is int and version > FORMAT_VERSION and _seal_holds(data):
-            # Told apart from a damaged version field by the record's own checksum, which every
-            # format since 2 puts first and later formats must keep: resume does not fall back
-            # past such a checkpoint (its steps would be saved again over it).
-            raise NewerFormatError(
-                f"{NEWER_FORMAT}: its commit record {where} is format version {version}, and this "
-                f"ckptkeeper reads versions up to {FORMAT_VERSION}; upgrade ckptkeeper to load it"
             )
         try:
             return cls._from_doc(doc, data)
@@ -273,7 +277,7 @@ class CommitRecord:
     def _from_doc(cls, doc: Any, data: bytes) -> CommitRecord:
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise ValueError("not a ckptkeeper commit record")
-        version = _int(doc.get("version"), "version", 1, 1 << 30)
+        version = _int(doc.get("version"), "version", 1, _MAX_VERSION)
         if version > FORMAT_VERSION:  # (a sealed one was a NewerFormatError already)
             raise ValueError(
                 f"it claims format version {version}, newer than this ckptkeeper's {FORMAT_VERSION}, but its "
@@ -346,6 +350,18 @@ def check_metrics(metrics: Any) -> dict[str, float]:
             raise ValueError(f"metric {name!r} is {str(value)[:40]!r}, not a finite number")
         out[name] = number
     return out
+
+
+def record_is_newer(data: bytes) -> bool:
+    """Whether a ``.metadata.json`` is the intact record of a newer ckptkeeper's checkpoint (see
+    :class:`~ckptkeeper.errors.NewerFormatError`): this version neither loads nor replaces it."""
+    try:
+        CommitRecord.from_json(data, "record")
+    except NewerFormatError:
+        return True
+    except CorruptCheckpointError:
+        pass
+    return False
 
 
 def record_is_ours(data: bytes) -> bool:
