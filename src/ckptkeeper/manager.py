@@ -426,21 +426,32 @@ class CheckpointManager:
         ``accept(path, train_state)`` may refuse a checkpoint by raising CorruptCheckpointError
         (one another trainer wrote, say): the next older one is tried. Once it has answered None,
         :meth:`restore` loads nothing either: it would try the same checkpoints without ``accept``.
-        ``restore`` never applies ``accept``: load the path picked with :meth:`load`. The ranks'
-        answers are not agreed here (each verifies on its own).
+        ``restore`` never applies ``accept``: load the path picked with :meth:`load`. With several
+        ranks it is a collective: every rank verifies each candidate, and one that fails on any
+        rank is skipped by all (or, for an error other than a corrupt or missing checkpoint, stops
+        all), so every rank picks the same.
         """
-        from .engine.reader import read_train_state
 
         def verified(path: str) -> dict[str, Any]:
-            self.checkpointer.verify(path, checksums=True)
-            ts = read_train_state(path).get("train_state", {})
+            # Agreed: a rank whose own read failed for a moment picked an older checkpoint than
+            # the others, and the ranks of a Hugging Face run resumed from different steps.
+            usable: dict[str, Any] = {}
+            mine: BaseException | None = None
             try:
-                check_train_state(from_olmo_core(ts), list(self.json_state))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CorruptCheckpointError(f"checkpoint {path}: its trainer state cannot be used ({exc})") from None
-            usable = dict(from_olmo_core(ts))
-            if accept is not None:
-                accept(path, usable)
+                usable = self._verified(path, accept)
+            except BaseException as exc:
+                mine = exc
+            skip = isinstance(mine, (CorruptCheckpointError, CheckpointNotFoundError))
+            said = D.all_gather_object(None if mine is None else (skip, f"rank {D.get_rank()}: {mine}"))
+            if mine is not None:
+                raise mine
+            failed = [s for s in said if s is not None]
+            if failed and all(s[0] for s in failed):
+                raise CorruptCheckpointError(
+                    f"checkpoint {path} failed on another rank ({'; '.join(s[1] for s in failed)})"
+                )
+            if failed:
+                raise CheckpointError(f"picking {path} failed on another rank ({'; '.join(s[1] for s in failed)})")
             return usable
 
         found = self._first_good(verified)
@@ -448,6 +459,21 @@ class CheckpointManager:
         # where the rename failed: found by an outside attack.)
         self._picked_fresh = found is None
         return found
+
+    def _verified(self, path: str, accept: Callable[[str, dict[str, Any]], None] | None) -> dict[str, Any]:
+        """This rank's test of one candidate of :meth:`pick`: its usable trainer state."""
+        from .engine.reader import read_train_state
+
+        self.checkpointer.verify(path, checksums=True)
+        ts = read_train_state(path).get("train_state", {})
+        try:
+            check_train_state(from_olmo_core(ts), list(self.json_state))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(f"checkpoint {path}: its trainer state cannot be used ({exc})") from None
+        usable = dict(from_olmo_core(ts))
+        if accept is not None:
+            accept(path, usable)
+        return usable
 
     def _first_good(self, attempt: Callable[[str], _T]) -> tuple[str, _T] | None:
         """Try ``attempt`` on the folder's checkpoints, newest first, then on ``load_path``.
@@ -540,8 +566,7 @@ class CheckpointManager:
         """Raise NewerFormatError when the run would resume from ``start`` (a checkpoint's path;
         None: from scratch) while the save folder holds a later checkpoint that a newer ckptkeeper
         wrote (``newer``: step, path, why): the run would save those steps again, replacing it.
-        From rank 0's survey, so the ranks of :meth:`restore` (whose loads are agreed) decide
-        alike; those of :meth:`pick` may not, as its answers are not agreed. The saves would
+        From rank 0's survey and the agreed tries, so every rank decides alike. The saves would
         refuse to replace it anyway (see :func:`~ckptkeeper.engine.commit.clear_target`); this
         stops the run before it loads anything."""
         from_step = -1 if start is None else parse_step(start)

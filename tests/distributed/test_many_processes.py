@@ -179,3 +179,17 @@ def test_dtensors_with_non_contiguous_local_shards_load_through_the_per_rank_rea
     out = run_ranks(2, workers.non_contiguous_dtensor_load, str(tmp_path / "run"), out=tmp_path / "o")
     assert all(o["ok"] for o in out), out
     assert [o["value"] for o in out] == [{"equal": True, "in_place": True, "readers": ["pieces"]}] * 2
+
+
+def test_pick_is_agreed_when_one_rank_cannot_verify_the_newest(tmp_path: Path) -> None:
+    # Each rank verified on its own: rank 0 picked step6 and rank 1 step3, and the Hugging Face
+    # trainer's ranks then resumed from different steps (or one raised while the other went on).
+    from ckptkeeper import CheckpointerCallback
+
+    from ..helpers import tiny_trainer
+
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), CheckpointerCallback(save_interval=3, save_async=False), 6).fit()
+    out = run_ranks(2, workers.pick_with_one_rank_failing_to_verify, str(folder), out=tmp_path / "o")
+    assert all(o["ok"] for o in out), out
+    assert [o["value"] for o in out] == ["step3", "step3"]

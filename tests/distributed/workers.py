@@ -1125,3 +1125,22 @@ def load_into_sharded_digest(rank: int, path: str) -> str:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     Checkpointer().load(path, TrainingState(model, opt))
     return state_digest(model, opt)
+
+
+def pick_with_one_rank_failing_to_verify(rank: int, folder: str) -> str | None:
+    """Rank 1 alone cannot verify step6 (a read error of its own); which checkpoint each rank picks."""
+    from ckptkeeper import CheckpointManager, CorruptCheckpointError
+    from ckptkeeper.engine import CommitRecord
+
+    class FlakyOnRank1(Checkpointer):
+        def verify(self, path: str, checksums: bool = True) -> CommitRecord:
+            if rank == 1 and path.rstrip("/").endswith("step6"):
+                raise CorruptCheckpointError(f"{path}: simulated read error on rank 1")
+            return super().verify(path, checksums)
+
+    mgr = CheckpointManager(folder, model=nn.Linear(4, 2), checkpointer=FlakyOnRank1(), take_lease=False)
+    try:
+        picked = mgr.pick()
+    finally:
+        mgr.close(final_save=False)
+    return None if picked is None else picked[0].rstrip("/").rsplit("/", 1)[-1]
