@@ -228,3 +228,24 @@ def test_copying_a_folder_with_a_newer_checkpoint_fails_and_names_it(tmp_path: P
     assert out.returncode == 1, out
     assert "step6 not copied" in out.stderr and "upgrade ckptkeeper" in out.stderr, out.stderr
     assert [s for s, _ in Checkpointer().find_checkpoints(str(tmp_path / "copy"))] == [3]
+
+
+def test_a_newer_record_outside_this_versions_json_rules_is_still_newer(tmp_path: Path) -> None:
+    # Found by an outside attack: NaN metrics (which this version's parser refuses) had a newer
+    # record counted as damaged; resume fell back and saved step6 over it.
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), _cb(), 6).fit()
+    path = folder / "step6" / COMMIT_RECORD
+    path.write_bytes(path.read_bytes().replace(b'"extra": {}', b'"extra": {"metrics": {"loss": NaN}}', 1))
+    kept = _as_newer(folder / "step6")
+    with pytest.raises(NewerFormatError, match="step6"):
+        tiny_trainer(str(folder), _cb(), 9).fit()
+    with pytest.raises(CheckpointSaveError, match="newer ckptkeeper"):
+        t = tiny_trainer(str(tmp_path / "other"), None, 1)
+        Checkpointer().save(str(folder), 6, TrainingState(t.model, t.optimizer))
+    assert path.read_bytes() == kept
+    # The same record at this version's own format number is damage: NaN is not JSON it writes.
+    _as_newer(folder / "step6", version=FORMAT_VERSION)
+    t = tiny_trainer(str(folder), _cb(), 9)
+    t.fit()
+    assert t.start_step == 3

@@ -11,6 +11,7 @@ bounded: its size, its nesting, its numbers, and its file names (plain relative 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -61,6 +62,23 @@ _MAX_VERSION = 1 << 30
 NEWER_FORMAT = "checkpoint written by a newer ckptkeeper"
 """How the message of a :class:`~ckptkeeper.errors.NewerFormatError` from a commit record starts
 (and so the ``problem`` that ``ls`` shows for such a checkpoint)."""
+
+
+def _refuse_newer(doc: Any, where: str, data: bytes | None = None) -> None:
+    """NewerFormatError when ``doc`` is a record of a newer format whose seal holds (``data``:
+    its bytes, when the seal is still to be checked).
+
+    Told apart from a damaged version field by the record's own checksum, which every format
+    since 2 puts first and later formats must keep: resume does not fall back past such a
+    checkpoint (its steps would be saved again over it). Checked before anything else of this
+    version's rules, which a newer format need not follow.
+    """
+    version = doc.get("version") if isinstance(doc, dict) and doc.get("format") == _FORMAT else None
+    if type(version) is int and FORMAT_VERSION < version <= _MAX_VERSION and (data is None or _seal_holds(data)):
+        raise NewerFormatError(
+            f"{NEWER_FORMAT}: its commit record {where} is format version {version}, and this "
+            f"ckptkeeper reads versions up to {FORMAT_VERSION}; upgrade ckptkeeper to load it"
+        )
 
 
 def _seal_holds(data: bytes) -> bool:
@@ -248,17 +266,20 @@ class CommitRecord:
         # The record's own fields have a fixed shape that _from_doc checks; only 'extra' is free
         # form, so nesting is bounded there (a regex pass over a 300 KB record of 3,000 files
         # cost ls more than listing the files).
-        doc = loads_bounded(data, f"commit record {where}", max_bytes=MAX_RECORD_BYTES, max_depth=None)
-        version = doc.get("version") if isinstance(doc, dict) and doc.get("format") == _FORMAT else None
-        if type(version) is int and FORMAT_VERSION < version <= _MAX_VERSION and _seal_holds(data):
-            # Told apart from a damaged version field by the record's own checksum, which every
-            # format since 2 puts first and later formats must keep: resume does not fall back
-            # past such a checkpoint (its steps would be saved again over it). Checked before
-            # anything else of this version's rules, which a newer format need not follow.
-            raise NewerFormatError(
-                f"{NEWER_FORMAT}: its commit record {where} is format version {version}, and this "
-                f"ckptkeeper reads versions up to {FORMAT_VERSION}; upgrade ckptkeeper to load it"
-            )
+        try:
+            doc = loads_bounded(data, f"commit record {where}", max_bytes=MAX_RECORD_BYTES, max_depth=None)
+        except CorruptCheckpointError:
+            # A newer format need not keep this version's parsing rules either (NaN metrics, say,
+            # which an outside attack used to have a newer checkpoint counted as damaged).
+            lenient = None
+            if len(data) <= MAX_RECORD_BYTES and _seal_holds(data):
+                with contextlib.suppress(CorruptCheckpointError):
+                    lenient = loads_bounded(
+                        data, where, max_bytes=MAX_RECORD_BYTES, max_depth=None, allow_nonfinite=True
+                    )
+            _refuse_newer(lenient, where)
+            raise
+        _refuse_newer(doc, where, data)
         if isinstance(doc, dict) and _depth(doc.get("extra"), 14) > 14:
             raise CorruptCheckpointError(
                 f"commit record {where} is malformed ('extra' is nested more than 14 levels deep); the "
