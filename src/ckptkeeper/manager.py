@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from . import distributed as D
 from ._resume import DataPosition, check_train_state, from_olmo_core, rng_state, set_rng_state
 from .engine import Checkpointer, SaveFolderLease, SaveResult, Stateful, TrainingState
+from .engine.agreement import ctrl_c_after
 from .engine.async_runner import is_outcome
 from .engine.deleter import set_aside_unloadable
 from .engine.discovery import NOT_OURS
@@ -69,6 +70,16 @@ from .storage.layout import MAX_STEP
 __all__ = ["CheckpointEvent", "CheckpointManager", "JsonStateful"]
 
 log = logging.getLogger("ckptkeeper.manager")
+
+
+def _stop_if_pressed(said: list[Any], what: str) -> None:
+    """Stop every rank when any rank's first item in ``said`` (every rank's, in rank order) says
+    it was interrupted: that rank raises its held Ctrl-C as it leaves the block, the others this."""
+    pressed = [r for r, s in enumerate(said) if s[0]]
+    if pressed:
+        raise CheckpointError(
+            f"stopped: Ctrl-C on rank {pressed[0]} while {what}; nothing was resumed (start the run again)"
+        )
 
 
 def _step_order(path: str) -> tuple[int, str]:
@@ -414,7 +425,14 @@ class CheckpointManager:
         set_rng_state(ts["rng"])
 
     def _resume(self) -> bool:
-        return self._first_good(self.load) is not None
+        def loaded(path: str, pressed: list[int]) -> None:
+            # Each try starts only when no rank was interrupted during the one before: a Ctrl-C
+            # held through a failed load does not go on to the next checkpoint.
+            if D.is_distributed():
+                _stop_if_pressed(D.all_gather_object((bool(pressed),)), "choosing the checkpoint to resume from")
+            self.load(path)
+
+        return self._first_good_held(loaded) is not None
 
     def pick(self, accept: Callable[[str, dict[str, Any]], None] | None = None) -> tuple[str, dict[str, Any]] | None:
         """The checkpoint :meth:`restore` would load, and its trainer state, without loading it.
@@ -432,29 +450,31 @@ class CheckpointManager:
         all), so every rank picks the same.
         """
 
-        def verified(path: str) -> dict[str, Any]:
+        def verified(path: str, pressed: list[int]) -> dict[str, Any]:
             # Agreed: a rank whose own read failed for a moment picked an older checkpoint than
             # the others, and the ranks of a Hugging Face run resumed from different steps.
             usable: dict[str, Any] = {}
             mine: BaseException | None = None
-            try:
-                usable = self._verified(path, accept)
-            except BaseException as exc:
-                mine = exc
+            if not pressed:
+                try:
+                    usable = self._verified(path, accept)
+                except BaseException as exc:
+                    mine = exc
             skip = isinstance(mine, (CorruptCheckpointError, CheckpointNotFoundError))
-            said = D.all_gather_object(None if mine is None else (skip, f"rank {D.get_rank()}: {mine}"))
+            why = None if mine is None else f"rank {D.get_rank()}: {type(mine).__name__}: {mine}"
+            said = D.all_gather_object((bool(pressed), skip, why))
+            _stop_if_pressed(said, "choosing the checkpoint to resume from")
             if mine is not None:
                 raise mine
-            failed = [s for s in said if s is not None]
-            if failed and all(s[0] for s in failed):
-                raise CorruptCheckpointError(
-                    f"checkpoint {path} failed on another rank ({'; '.join(s[1] for s in failed)})"
-                )
+            failed = [(s[1], s[2]) for s in said if s[2] is not None]
+            listing = "; ".join(str(f[1]) for f in failed)
+            if failed and all(f[0] for f in failed):
+                raise CorruptCheckpointError(f"checkpoint {path} failed on another rank ({listing})")
             if failed:
-                raise CheckpointError(f"picking {path} failed on another rank ({'; '.join(s[1] for s in failed)})")
+                raise CheckpointError(f"picking {path} failed on another rank ({listing})")
             return usable
 
-        found = self._first_good(verified)
+        found = self._first_good_held(verified)
         # (restore() loaded a checkpoint pick() had refused, left in place on an object store or
         # where the rename failed: found by an outside attack.)
         self._picked_fresh = found is None
@@ -475,11 +495,36 @@ class CheckpointManager:
             accept(path, usable)
         return usable
 
+    def _first_good_held(self, attempt: Callable[[str, list[int]], _T]) -> tuple[str, _T] | None:
+        """:meth:`_first_good`, with a Ctrl-C on any rank held until every rank is out of its
+        exchanges, then stopping every rank together (``attempt`` gets the list that says whether
+        this rank was interrupted, to share it in its own exchange)."""
+        what = "choosing the checkpoint to resume from"
+        with ctrl_c_after(what, None) as pressed:
+            found = self._first_good(lambda path: attempt(path, pressed))
+            # Pressed during the last exchange, a Ctrl-C is known to its rank alone: one more
+            # round, so that every rank stops here or none does.
+            if D.is_distributed():
+                _stop_if_pressed(D.all_gather_object((bool(pressed),)), what)
+        return found
+
     def _first_good(self, attempt: Callable[[str], _T]) -> tuple[str, _T] | None:
         """Try ``attempt`` on the folder's checkpoints, newest first, then on ``load_path``.
 
         The one place the fallback rules live (:meth:`restore` loads, :meth:`pick` verifies).
         """
+        # Settings each rank reads for itself decide which exchanges follow: ranks that differ
+        # met different collectives and waited for ever (an outside attack).
+        given = (self.load_path, bool(self.start_fresh_if_unloadable))
+        every = D.all_gather_object(given) if D.is_distributed() else [given]
+        if any(g != given for g in every):
+            listing = ", ".join(
+                f"rank {r}: load_path={g[0]!r} start_fresh_if_unloadable={g[1]}" for r, g in enumerate(every)
+            )
+            raise ConfigurationError(
+                f"the ranks were given different resume settings ({listing}); give every rank the same "
+                "load_path and start_fresh_if_unloadable"
+            )
 
         def survey() -> tuple[list[str], list[tuple[str, str]], list[tuple[int, str, str]]]:
             # Complete checkpoints, newest first; the ones that claim to be checkpoints (they have

@@ -193,3 +193,40 @@ def test_pick_is_agreed_when_one_rank_cannot_verify_the_newest(tmp_path: Path) -
     out = run_ranks(2, workers.pick_with_one_rank_failing_to_verify, str(folder), out=tmp_path / "o")
     assert all(o["ok"] for o in out), out
     assert [o["value"] for o in out] == ["step3", "step3"]
+
+
+@pytest.mark.parametrize("how", ["pick", "restore"])
+def test_ctrl_c_on_one_rank_while_it_waits_in_pick_stops_every_rank_together(tmp_path: Path, how: str) -> None:
+    # Found by an outside attack: the interrupt left pick() on rank 1 in the middle of an exchange;
+    # rank 0 went on to the next candidate's exchange alone (a hang, or a garbled collective).
+    from ckptkeeper import CheckpointerCallback
+
+    from ..helpers import tiny_trainer
+
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), CheckpointerCallback(save_interval=3, save_async=False), 6).fit()
+    out = run_ranks(
+        2, workers.pick_with_ctrl_c_on_rank1_while_it_waits, str(folder), how, out=tmp_path / "o", timeout=60
+    )
+    assert out[1]["type"] == "KeyboardInterrupt", out[1]
+    assert out[0]["type"] == "CheckpointError" and "Ctrl-C on rank 1" in out[0]["error"], out[0]
+
+
+def test_ranks_given_different_load_paths_are_told_not_left_waiting(tmp_path: Path) -> None:
+    from ckptkeeper import CheckpointerCallback
+
+    from ..helpers import tiny_trainer
+
+    other = tmp_path / "other"
+    tiny_trainer(str(other), CheckpointerCallback(save_interval=3, save_async=False), 3).fit()
+    (tmp_path / "run").mkdir()
+    out = run_ranks(
+        2,
+        workers.pick_with_its_own_load_path,
+        str(tmp_path / "run"),
+        str(other / "step3"),
+        out=tmp_path / "o",
+        timeout=60,
+    )
+    for o in out:
+        assert o["type"] == "ConfigurationError" and "load_path" in o["error"] and "every rank" in o["error"], o

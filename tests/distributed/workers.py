@@ -1144,3 +1144,56 @@ def pick_with_one_rank_failing_to_verify(rank: int, folder: str) -> str | None:
     finally:
         mgr.close(final_save=False)
     return None if picked is None else picked[0].rstrip("/").rsplit("/", 1)[-1]
+
+
+def pick_with_ctrl_c_on_rank1_while_it_waits(rank: int, folder: str, how: str = "pick") -> str | None:
+    """Rank 0 takes seconds over step6 (to find it unreadable in pick(), to load it in restore());
+    Ctrl-C reaches rank 1 while it waits for rank 0."""
+    import signal
+    import time
+
+    from ckptkeeper import CheckpointManager, CorruptCheckpointError
+    from ckptkeeper.engine import CommitRecord
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def slow_on_step6(path: str) -> bool:
+        if not path.rstrip("/").endswith("step6"):
+            return False
+        if rank == 0:
+            time.sleep(3)
+        else:
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return rank == 0
+
+    class Slow(Checkpointer):
+        def verify(self, path: str, checksums: bool = True) -> CommitRecord:
+            if slow_on_step6(path):
+                raise CorruptCheckpointError(f"{path}: simulated read error on rank 0")
+            return super().verify(path, checksums)
+
+        def load(self, path: str, state: TrainingState, check_train_state: Any = None) -> dict[str, Any]:
+            slow_on_step6(path)
+            return super().load(path, state, check_train_state)
+
+    mgr = CheckpointManager(folder, model=nn.Linear(4, 2), checkpointer=Slow(), take_lease=False)
+    try:
+        if how == "pick":
+            picked = mgr.pick()
+            return None if picked is None else picked[0].rstrip("/").rsplit("/", 1)[-1]
+        mgr.restore(begin=False)
+        return str(mgr.step)
+    finally:
+        mgr.close(final_save=False)
+
+
+def pick_with_its_own_load_path(rank: int, folder: str, load_path: str) -> str | None:
+    """Rank 0 is given a load_path, rank 1 none."""
+    from ckptkeeper import CheckpointManager
+
+    mgr = CheckpointManager(folder, model=nn.Linear(4, 2), load_path=load_path if rank == 0 else None, take_lease=False)
+    try:
+        picked = mgr.pick()
+    finally:
+        mgr.close(final_save=False)
+    return None if picked is None else picked[0]

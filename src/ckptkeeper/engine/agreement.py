@@ -142,7 +142,7 @@ _GRAVITY = {"CorruptCheckpointError": 1, "UnsafeCheckpointError": 2}
 
 
 @contextlib.contextmanager
-def ctrl_c_after(what: str, group: Any) -> Iterator[None]:
+def ctrl_c_after(what: str, group: Any) -> Iterator[list[int]]:
     """With several ranks, a first Ctrl-C inside the block is raised when the block ends; a
     second one at once (see :func:`~ckptkeeper.engine.async_runner.ctrl_c_held`).
 
@@ -154,11 +154,11 @@ def ctrl_c_after(what: str, group: Any) -> Iterator[None]:
     raised; a second Ctrl-C is for a rank that really hangs.
     """
     if D.get_world_size(group) == 1:
-        yield
+        yield []
         return
 
     def told() -> None:
         log.warning("Ctrl-C: %s finishes on every rank first, then stops; press Ctrl-C again to stop now", what)
 
-    with ctrl_c_held(told):
-        yield
+    with ctrl_c_held(told) as caught:
+        yield caught

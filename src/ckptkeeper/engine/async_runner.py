@@ -26,25 +26,26 @@ log = logging.getLogger("ckptkeeper.engine.checkpointer")
 
 
 @contextlib.contextmanager
-def ctrl_c_held(on_first: Callable[[], None] | None = None) -> Iterator[None]:
+def ctrl_c_held(on_first: Callable[[], None] | None = None) -> Iterator[list[int]]:
     """Ctrl-C arriving inside the block is raised as it ends (in the main thread, where Python
     raises it, and only while SIGINT has Python's default handler: anyone else's stays in charge).
-    With ``on_first`` (called at the first), a second Ctrl-C is raised at once.
+    With ``on_first`` (called at the first), a second Ctrl-C is raised at once. The block gets a
+    list that is not empty once a Ctrl-C was held (always empty where none is held).
 
     Handing a job to the writer thread and recording it must happen together: interrupted in
     between, a save would run with nothing waiting for it (found by an outside attack).
     """
+    caught: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield caught
         return
     try:
         held = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     except (ValueError, AttributeError):  # pragma: no cover - no signals here
         held = False
     if not held:
-        yield
+        yield caught
         return
-    caught: list[int] = []
 
     def note(signum: int, frame: Any) -> None:
         if caught and on_first is not None:
@@ -56,7 +57,7 @@ def ctrl_c_held(on_first: Callable[[], None] | None = None) -> Iterator[None]:
 
     signal.signal(signal.SIGINT, note)
     try:
-        yield
+        yield caught
     except BaseException as exc:
         # A Ctrl-C held while the block failed still stops the caller: raised as the error was,
         # a restore went on to the next checkpoint as if it had not been pressed.
