@@ -464,14 +464,17 @@ class CheckpointManager:
             why = None if mine is None else f"rank {D.get_rank()}: {type(mine).__name__}: {mine}"
             said = D.all_gather_object((bool(pressed), skip, why))
             _stop_if_pressed(said, "choosing the checkpoint to resume from")
-            if mine is not None:
-                raise mine
             failed = [(s[1], s[2]) for s in said if s[2] is not None]
             listing = "; ".join(str(f[1]) for f in failed)
-            if failed and all(f[0] for f in failed):
-                raise CorruptCheckpointError(f"checkpoint {path} failed on another rank ({listing})")
+            # Classified from every rank's outcome: a rank whose own error was a skippable one
+            # went on to the next candidate while another stopped (an outside attack).
+            fatal = any(not f[0] for f in failed)
+            if mine is not None and (not skip or not fatal):
+                raise mine
+            if fatal:
+                raise CheckpointError(f"picking {path} failed on a rank ({listing})") from mine
             if failed:
-                raise CheckpointError(f"picking {path} failed on another rank ({listing})")
+                raise CorruptCheckpointError(f"checkpoint {path} failed on another rank ({listing})")
             return usable
 
         found = self._first_good_held(verified)
@@ -501,11 +504,25 @@ class CheckpointManager:
         this rank was interrupted, to share it in its own exchange)."""
         what = "choosing the checkpoint to resume from"
         with ctrl_c_after(what, None) as pressed:
-            found = self._first_good(lambda path: attempt(path, pressed))
+            try:
+                found = self._first_good(lambda path: attempt(path, pressed))
+            except BaseException as exc:
+                # The last round is met on the way out too: a try that failed on one rank after
+                # its agreed part (an on_loaded callback, a JSON state's load_state_dict) left
+                # the others waiting in it alone (an outside attack). Not for a second Ctrl-C,
+                # which stops this rank at once.
+                if D.is_distributed() and not isinstance(exc, KeyboardInterrupt):
+                    with contextlib.suppress(Exception):
+                        D.all_gather_object((bool(pressed), f"rank {D.get_rank()}: {type(exc).__name__}: {exc}"))
+                raise
             # Pressed during the last exchange, a Ctrl-C is known to its rank alone: one more
             # round, so that every rank stops here or none does.
             if D.is_distributed():
-                _stop_if_pressed(D.all_gather_object((bool(pressed),)), what)
+                said = D.all_gather_object((bool(pressed), None))
+                _stop_if_pressed(said, what)
+                failed = [str(s[1]) for s in said if s[1] is not None]
+                if failed:
+                    raise CheckpointError(f"resuming failed on another rank ({'; '.join(failed)})")
         return found
 
     def _first_good(self, attempt: Callable[[str], _T]) -> tuple[str, _T] | None:
@@ -515,11 +532,13 @@ class CheckpointManager:
         """
         # Settings each rank reads for itself decide which exchanges follow: ranks that differ
         # met different collectives and waited for ever (an outside attack).
-        given = (self.load_path, bool(self.start_fresh_if_unloadable))
+        # (Whether there is a load_path, not its spelling: only rank 0's is resolved and used.)
+        given = (self.load_path is not None, bool(self.start_fresh_if_unloadable))
         every = D.all_gather_object(given) if D.is_distributed() else [given]
         if any(g != given for g in every):
             listing = ", ".join(
-                f"rank {r}: load_path={g[0]!r} start_fresh_if_unloadable={g[1]}" for r, g in enumerate(every)
+                f"rank {r}: {'a' if g[0] else 'no'} load_path, start_fresh_if_unloadable={g[1]}"
+                for r, g in enumerate(every)
             )
             raise ConfigurationError(
                 f"the ranks were given different resume settings ({listing}); give every rank the same "

@@ -230,3 +230,34 @@ def test_ranks_given_different_load_paths_are_told_not_left_waiting(tmp_path: Pa
     )
     for o in out:
         assert o["type"] == "ConfigurationError" and "load_path" in o["error"] and "every rank" in o["error"], o
+
+
+def test_the_same_load_path_spelled_differently_per_rank_is_no_difference(tmp_path: Path) -> None:
+    # Found by an outside attack: the settings check compared spellings, though only rank 0's is used.
+    from ckptkeeper import CheckpointerCallback
+
+    from ..helpers import tiny_trainer
+
+    other = tmp_path / "other"
+    tiny_trainer(str(other), CheckpointerCallback(save_interval=3, save_async=False), 3).fit()
+    (tmp_path / "run").mkdir()
+    run, load_path = str(tmp_path / "run"), str(other / "step3")
+    out = run_ranks(2, workers.pick_with_its_own_load_path, run, load_path, "slash", out=tmp_path / "o", timeout=60)
+    assert [o["value"] for o in out] == [load_path, load_path], out
+
+
+@pytest.mark.parametrize("how", ["restore", "pick"])
+def test_a_try_failing_on_one_rank_after_its_agreed_part_stops_every_rank(tmp_path: Path, how: str) -> None:
+    # Found by an outside attack: restore()'s on_loaded callback failing on rank 1 left rank 0
+    # waiting in the last round alone; pick()'s accept failing as corrupt on rank 0 and otherwise
+    # on rank 1 sent rank 0 on to the next candidate alone. Both hung.
+    from ckptkeeper import CheckpointerCallback
+
+    from ..helpers import tiny_trainer
+
+    folder = tmp_path / "run"
+    tiny_trainer(str(folder), CheckpointerCallback(save_interval=3, save_async=False), 6).fit()
+    out = run_ranks(2, workers.resume_failing_on_one_rank, str(folder), how, out=tmp_path / "o", timeout=60)
+    failing = 1
+    assert out[failing]["type"] == ("ValueError" if how == "restore" else "RuntimeError"), out[failing]
+    assert out[0]["type"] == "CheckpointError" and "rank 1" in out[0]["error"], out[0]

@@ -1187,13 +1187,41 @@ def pick_with_ctrl_c_on_rank1_while_it_waits(rank: int, folder: str, how: str = 
         mgr.close(final_save=False)
 
 
-def pick_with_its_own_load_path(rank: int, folder: str, load_path: str) -> str | None:
-    """Rank 0 is given a load_path, rank 1 none."""
+def pick_with_its_own_load_path(rank: int, folder: str, load_path: str, spelling: str = "none") -> str | None:
+    """Rank 0 is given a load_path, rank 1 none (``none``) or the same with a trailing slash (``slash``)."""
     from ckptkeeper import CheckpointManager
 
-    mgr = CheckpointManager(folder, model=nn.Linear(4, 2), load_path=load_path if rank == 0 else None, take_lease=False)
+    given = {"none": load_path if rank == 0 else None, "slash": load_path + "/" * rank}[spelling]
+    mgr = CheckpointManager(folder, model=nn.Linear(4, 2), load_path=given, take_lease=False)
     try:
         picked = mgr.pick()
     finally:
         mgr.close(final_save=False)
     return None if picked is None else picked[0]
+
+
+def resume_failing_on_one_rank(rank: int, folder: str, how: str) -> str | None:
+    """One rank fails after its agreed part: restore()'s on_loaded callback raises on rank 1, or
+    pick()'s accept raises a corrupt-checkpoint error on rank 0 and another error on rank 1."""
+    from ckptkeeper import CheckpointManager, CorruptCheckpointError
+
+    mgr = CheckpointManager(folder, model=nn.Linear(4, 2), take_lease=False)
+    try:
+        if how == "restore":
+
+            def on_loaded(path: str) -> None:
+                if rank == 1:
+                    raise ValueError("on_loaded failed on rank 1")
+
+            mgr.on_loaded.append(on_loaded)
+            mgr.restore(begin=False)
+            return str(mgr.step)
+
+        def accept(path: str, ts: dict[str, Any]) -> None:
+            if path.rstrip("/").endswith("step6"):
+                raise CorruptCheckpointError("not this one (rank 0)") if rank == 0 else RuntimeError("broken (rank 1)")
+
+        picked = mgr.pick(accept=accept)
+        return None if picked is None else picked[0]
+    finally:
+        mgr.close(final_save=False)
