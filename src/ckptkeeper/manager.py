@@ -72,13 +72,16 @@ __all__ = ["CheckpointEvent", "CheckpointManager", "JsonStateful"]
 log = logging.getLogger("ckptkeeper.manager")
 
 
-def _stop_if_pressed(said: list[Any], what: str) -> None:
+_CHOOSING = "choosing the checkpoint to resume from"
+
+
+def _stop_if_pressed(said: list[Any]) -> None:
     """Stop every rank when any rank's first item in ``said`` (every rank's, in rank order) says
     it was interrupted: that rank raises its held Ctrl-C as it leaves the block, the others this."""
     pressed = [r for r, s in enumerate(said) if s[0]]
     if pressed:
         raise CheckpointError(
-            f"stopped: Ctrl-C on rank {pressed[0]} while {what}; nothing was resumed (start the run again)"
+            f"stopped: Ctrl-C on rank {pressed[0]} while {_CHOOSING}; nothing was resumed (start the run again)"
         )
 
 
@@ -428,8 +431,7 @@ class CheckpointManager:
         def loaded(path: str, pressed: list[int]) -> None:
             # Each try starts only when no rank was interrupted during the one before: a Ctrl-C
             # held through a failed load does not go on to the next checkpoint.
-            if D.is_distributed():
-                _stop_if_pressed(D.all_gather_object((bool(pressed),)), "choosing the checkpoint to resume from")
+            _stop_if_pressed(D.all_gather_object((bool(pressed),)))
             self.load(path)
 
         return self._first_good_held(loaded) is not None
@@ -463,7 +465,7 @@ class CheckpointManager:
             skip = isinstance(mine, (CorruptCheckpointError, CheckpointNotFoundError))
             why = None if mine is None else f"rank {D.get_rank()}: {type(mine).__name__}: {mine}"
             said = D.all_gather_object((bool(pressed), skip, why))
-            _stop_if_pressed(said, "choosing the checkpoint to resume from")
+            _stop_if_pressed(said)
             failed = [(s[1], s[2]) for s in said if s[2] is not None]
             listing = "; ".join(str(f[1]) for f in failed)
             # Classified from every rank's outcome: a rank whose own error was a skippable one
@@ -502,8 +504,7 @@ class CheckpointManager:
         """:meth:`_first_good`, with a Ctrl-C on any rank held until every rank is out of its
         exchanges, then stopping every rank together (``attempt`` gets the list that says whether
         this rank was interrupted, to share it in its own exchange)."""
-        what = "choosing the checkpoint to resume from"
-        with ctrl_c_after(what, None) as pressed:
+        with ctrl_c_after(_CHOOSING, None) as pressed:
             try:
                 found = self._first_good(lambda path: attempt(path, pressed))
             except BaseException as exc:
@@ -511,18 +512,17 @@ class CheckpointManager:
                 # its agreed part (an on_loaded callback, a JSON state's load_state_dict) left
                 # the others waiting in it alone (an outside attack). Not for a second Ctrl-C,
                 # which stops this rank at once.
-                if D.is_distributed() and not isinstance(exc, KeyboardInterrupt):
+                if not isinstance(exc, KeyboardInterrupt):
                     with contextlib.suppress(Exception):
                         D.all_gather_object((bool(pressed), f"rank {D.get_rank()}: {type(exc).__name__}: {exc}"))
                 raise
             # Pressed during the last exchange, a Ctrl-C is known to its rank alone: one more
             # round, so that every rank stops here or none does.
-            if D.is_distributed():
-                said = D.all_gather_object((bool(pressed), None))
-                _stop_if_pressed(said, what)
-                failed = [str(s[1]) for s in said if s[1] is not None]
-                if failed:
-                    raise CheckpointError(f"resuming failed on another rank ({'; '.join(failed)})")
+            said = D.all_gather_object((bool(pressed), None))
+            _stop_if_pressed(said)
+            failed = [str(s[1]) for s in said if s[1] is not None]
+            if failed:
+                raise CheckpointError(f"resuming failed on another rank ({'; '.join(failed)})")
         return found
 
     def _first_good(self, attempt: Callable[[str], _T]) -> tuple[str, _T] | None:
@@ -534,7 +534,7 @@ class CheckpointManager:
         # met different collectives and waited for ever (an outside attack).
         # (Whether there is a load_path, not its spelling: only rank 0's is resolved and used.)
         given = (self.load_path is not None, bool(self.start_fresh_if_unloadable))
-        every = D.all_gather_object(given) if D.is_distributed() else [given]
+        every = D.all_gather_object(given)
         if any(g != given for g in every):
             listing = ", ".join(
                 f"rank {r}: {'a' if g[0] else 'no'} load_path, start_fresh_if_unloadable={g[1]}"
@@ -649,10 +649,10 @@ class CheckpointManager:
         """Move aside the checkpoints a fresh start goes over (``failures``: each with why it could
         not be loaded; see :func:`~ckptkeeper.engine.deleter.set_aside_unloadable`), once the run
         is sure to start without them: after a ``load_path`` has loaded, so that a run that stops
-        on it moves nothing (found by an outside attack). Rank 0 alone, without a collective: the
-        ranks' answers to :meth:`pick` are not agreed, and a broadcast one rank reached alone
-        would meet the others' next collective (found by an outside attack); the ranks' next save
-        meets rank 0 after its renames."""
+        on it moves nothing (found by an outside attack). Rank 0 alone, without a collective: a
+        broadcast here, when the ranks' answers to :meth:`pick` were not yet agreed, was reached
+        by one rank alone and met the others' next collective (found by an outside attack); the
+        ranks' next save meets rank 0 after its renames."""
         if not failures or D.get_rank() != 0:
             return
         for path, why in failures:

@@ -38,11 +38,10 @@ from .deleter import (
     new_spool,
     read_intents,
     read_local_record,
-    record_is_ours,
     unlisted_local_files,
     write_intent,
 )
-from .record import CommitRecord, record_is_newer
+from .record import CommitRecord, record_owner
 
 __all__ = ["CommitMethod", "RecordLastCommit", "RenameCommit", "clear_target", "commit_method_for"]
 
@@ -390,12 +389,13 @@ def clear_target(storage: Storage, final: str, remove: Remove, check_only: bool 
                 "nor replace one: remove the link, or save under another step"
             )
         data = read_local_record(local)
-        if data is None or not record_is_ours(data):
+        owner = "foreign" if data is None else record_owner(data)
+        if owner == "foreign":
             raise CheckpointSaveError(
                 f"{local} already exists and is not a ckptkeeper checkpoint (no commit record); ckptkeeper "
                 "does not overwrite what it did not write: move it out of the save folder"
             )
-        if record_is_newer(data):
+        if owner == "newer":
             raise _newer_there(local)
         if not check_only:
             remove(final)  # an older save of the same step: invisible at once, deleted after
@@ -407,12 +407,13 @@ def clear_target(storage: Storage, final: str, remove: Remove, check_only: bool 
     except FileNotFoundError:
         record = None
     if record is not None:
-        if not record_is_ours(record):
+        owner = record_owner(record)
+        if owner == "foreign":
             raise CheckpointSaveError(
                 f"{final} holds a {COMMIT_RECORD} that ckptkeeper did not write; ckptkeeper does not overwrite "
                 "it: move it out of the save folder"
             )
-        if record_is_newer(record):
+        if owner == "newer":
             raise _newer_there(final)
         remove(final)
         return

@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import xxhash
 
@@ -39,8 +39,8 @@ __all__ = [
     "hash_file",
     "loads_bounded",
     "new_hasher",
-    "record_is_newer",
     "record_is_ours",
+    "record_owner",
 ]
 
 FORMAT_VERSION = 2
@@ -81,11 +81,17 @@ def _refuse_newer(doc: Any, where: str, data: bytes | None = None) -> None:
         )
 
 
+def _seal_placed(data: bytes) -> bool:
+    """Whether a record starts with its own checksum's field (whatever the checksum says)."""
+    head = len(_SELF_HEAD)
+    return data.startswith(_SELF_HEAD) and data[head + 16 : head + 16 + len(_SELF_TAIL)] == _SELF_TAIL
+
+
 def _seal_holds(data: bytes) -> bool:
     """Whether a record's own checksum, in its place at the start, matches the rest of it."""
-    head = len(_SELF_HEAD)
-    if not (data.startswith(_SELF_HEAD) and data[head + 16 : head + 16 + len(_SELF_TAIL)] == _SELF_TAIL):
+    if not _seal_placed(data):
         return False
+    head = len(_SELF_HEAD)
     return data[head : head + 16].decode("ascii", "replace") == digest_bytes(data[:head] + _BLANK + data[head + 16 :])
 
 
@@ -305,8 +311,7 @@ class CommitRecord:
                 f"own checksum ({_SELF_KEY}) does not match: damaged"
             )
         if version >= 2 or _SELF_KEY in doc:
-            head = len(_SELF_HEAD)
-            if not (data.startswith(_SELF_HEAD) and data[head + 16 : head + 16 + len(_SELF_TAIL)] == _SELF_TAIL):
+            if not _seal_placed(data):
                 raise ValueError(f"its own checksum ({_SELF_KEY}) is missing or misplaced")
             if not _seal_holds(data):
                 raise ValueError("its own checksum does not match its content (changed after it was written)")
@@ -373,29 +378,31 @@ def check_metrics(metrics: Any) -> dict[str, float]:
     return out
 
 
-def record_is_newer(data: bytes) -> bool:
-    """Whether a ``.metadata.json`` is the intact record of a newer ckptkeeper's checkpoint (see
-    :class:`~ckptkeeper.errors.NewerFormatError`): this version neither loads nor replaces it."""
+def record_owner(data: bytes) -> Literal["ours", "newer", "foreign"]:
+    """Who wrote a ``.metadata.json``, read once: ``"newer"`` for the intact record of a newer
+    ckptkeeper's checkpoint (see :class:`~ckptkeeper.errors.NewerFormatError`; this version
+    neither loads nor replaces it), ``"ours"`` for any other record :func:`record_is_ours`
+    accepts, ``"foreign"`` for the rest (a newer record too, when the damaged-record rule below
+    does not find it ours)."""
+    newer = False
     try:
         CommitRecord.from_json(data, "record")
+        return "ours"
     except NewerFormatError:
-        return True
+        newer = True
     except CorruptCheckpointError:
         pass
-    return False
+    try:
+        doc = json.loads(data[: 1 << 20])
+    except (ValueError, RecursionError):
+        return "foreign"
+    if not (isinstance(doc, dict) and doc.get("format") == "ckptkeeper"):
+        return "foreign"
+    return "newer" if newer else "ours"
 
 
 def record_is_ours(data: bytes) -> bool:
     """Whether a ``.metadata.json`` was written by ckptkeeper: a valid commit record, or a damaged
     one that still says ``"format": "ckptkeeper"``. Anyone else's file of that name (OLMo-core's
     marker, a user's notes) is not, and nothing next to it is ever deleted."""
-    try:
-        CommitRecord.from_json(data, "record")
-        return True
-    except CorruptCheckpointError:
-        pass
-    try:
-        doc = json.loads(data[: 1 << 20])
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(doc, dict) and doc.get("format") == "ckptkeeper"
+    return record_owner(data) != "foreign"
